@@ -1,0 +1,55 @@
+# stripe-inbox — `make help` lists the targets.
+#
+# Without DATABASE_URL, targets that need PostgreSQL create and start a local cluster in ./.pg
+# (as the postgres user when run as root) and use it; with DATABASE_URL set, that database is used.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+WITH_DB := scripts/with-db.sh
+
+.DEFAULT_GOAL := help
+.PHONY: help build build-release run test lint fmt db-start db-stop db-reset db-url psql clean
+
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+build: ## Build the binaries (debug, as the tests use them)
+	$(CARGO) build --workspace --bins
+
+build-release: ## Build the binaries (release, as make run and the image use them)
+	$(CARGO) build --workspace --bins --release
+
+run: build-release ## Local PostgreSQL, migrate, run inbox-ingest (+ worker); prints how to send an event
+	@$(WITH_DB) scripts/run.sh
+
+test: build ## Every test, against the local PostgreSQL (or DATABASE_URL)
+	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
+	    $(WITH_DB) $(CARGO) nextest run --workspace $(if $(CI),--profile ci,); \
+	else \
+	    $(WITH_DB) $(CARGO) test --workspace; \
+	fi
+
+lint: ## rustfmt check and clippy with warnings as errors
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt: ## Format the code
+	$(CARGO) fmt --all
+
+db-start: ## Start the local PostgreSQL (created on first use)
+	@scripts/pg.sh start && scripts/pg.sh url
+
+db-stop: ## Stop the local PostgreSQL
+	@scripts/pg.sh stop
+
+db-reset: ## Delete the local PostgreSQL cluster (recreated by the next target that needs it)
+	@scripts/pg.sh reset
+
+db-url: ## Print the local DATABASE_URL
+	@scripts/pg.sh url
+
+psql: ## psql into the local inbox database
+	@scripts/pg.sh psql
+
+clean: ## Remove build output
+	$(CARGO) clean

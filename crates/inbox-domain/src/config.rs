@@ -1,0 +1,190 @@
+//! Configuration pieces both binaries share: endpoint secrets, durations and sizes, logging.
+//!
+//! Secrets never reach a log line, an error message or `--help`: the types holding them print
+//! `[redacted]`, and parse errors name the position of a bad entry, never its text.
+
+use std::fmt;
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+
+/// One webhook endpoint: its name (the `{endpoint}` of the URL) and the signing secrets that
+/// may have signed its deliveries (two during a secret roll).
+#[derive(Clone, PartialEq, Eq)]
+pub struct EndpointSpec {
+    pub name: String,
+    pub secrets: Vec<String>,
+}
+
+impl fmt::Debug for EndpointSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EndpointSpec")
+            .field("name", &self.name)
+            .field("secrets", &format_args!("[{} redacted]", self.secrets.len()))
+            .finish()
+    }
+}
+
+/// Why the endpoint configuration was refused. Never contains a secret.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EndpointConfigError {
+    #[error("no endpoint configured: set INBOX_ENDPOINTS=NAME=SECRET[,SECRET…][;NAME=…] or pass --endpoint")]
+    None,
+    #[error("endpoint entry #{0} is not NAME=SECRET[,SECRET…]")]
+    NotNameEqualsSecret(usize),
+    #[error("endpoint entry #{0} has an invalid name (use 1-64 of A-Z a-z 0-9 _ - .)")]
+    BadName(usize),
+    #[error("endpoint {0:?} has an empty secret")]
+    EmptySecret(String),
+    #[error("endpoint {0:?} is configured twice")]
+    Duplicate(String),
+}
+
+/// The longest endpoint name accepted; names appear in URLs, rows and metric labels.
+pub const MAX_ENDPOINT_NAME_LEN: usize = 64;
+
+/// Whether `name` is acceptable as an endpoint name.
+pub fn valid_endpoint_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_ENDPOINT_NAME_LEN
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// Parses endpoint entries, each `NAME=SECRET[,SECRET…]` (the `--endpoint` flag, or one
+/// `;`-separated item of `INBOX_ENDPOINTS`). Empty entries (a trailing `;`) are skipped.
+pub fn parse_endpoints<S: AsRef<str>>(entries: &[S]) -> Result<Vec<EndpointSpec>, EndpointConfigError> {
+    let mut specs: Vec<EndpointSpec> = Vec::new();
+    for (i, entry) in entries.iter().enumerate() {
+        let position = i + 1;
+        let entry = entry.as_ref().trim();
+        if entry.is_empty() {
+            continue;
+        }
+        let (name, secrets) =
+            entry.split_once('=').ok_or(EndpointConfigError::NotNameEqualsSecret(position))?;
+        let name = name.trim();
+        if !valid_endpoint_name(name) {
+            return Err(EndpointConfigError::BadName(position));
+        }
+        let secrets: Vec<String> = secrets.split(',').map(|s| s.trim().to_owned()).collect();
+        if secrets.iter().any(String::is_empty) {
+            return Err(EndpointConfigError::EmptySecret(name.to_owned()));
+        }
+        if specs.iter().any(|s| s.name == name) {
+            return Err(EndpointConfigError::Duplicate(name.to_owned()));
+        }
+        specs.push(EndpointSpec { name: name.to_owned(), secrets });
+    }
+    if specs.is_empty() {
+        return Err(EndpointConfigError::None);
+    }
+    Ok(specs)
+}
+
+/// Splits the text of an endpoints file or variable into entries: `;` or newlines separate them,
+/// lines starting with `#` are comments.
+pub fn split_endpoint_list(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .flat_map(|l| l.split(';'))
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// Log output format (`--log-format`, `LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+impl LogFormat {
+    /// `text` on a terminal, else `json` (what a log collector wants).
+    pub fn detect() -> Self {
+        if std::io::stderr().is_terminal() {
+            LogFormat::Text
+        } else {
+            LogFormat::Json
+        }
+    }
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "json" => Ok(LogFormat::Json),
+            "text" => Ok(LogFormat::Text),
+            _ => Err("expected `json` or `text`".to_owned()),
+        }
+    }
+}
+
+/// Installs the `tracing` subscriber: `RUST_LOG` filters (default `info`), logs go to stderr.
+pub fn init_tracing(format: Option<LogFormat>) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // try_init: a second call (tests building several apps in one process) keeps the first.
+    let _ = match format.unwrap_or_else(LogFormat::detect) {
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// Parses a humantime duration (`30s`, `2m`, `1h 30m`); `0` is accepted as zero seconds.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(std::time::Duration::ZERO);
+    }
+    humantime::parse_duration(s).map_err(|e| format!("{e} (use e.g. 30s, 2m, 1h)"))
+}
+
+/// Parses a byte size (`1MiB`, `512KiB`, `65536`).
+pub fn parse_byte_size(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("{e} (use e.g. 1MiB, 512KiB, 65536)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse_and_refuse_without_echoing_secrets() {
+        let specs = parse_endpoints(&["billing=whsec_a,whsec_b", " other = whsec_c "]).unwrap();
+        assert_eq!(specs[0].name, "billing");
+        assert_eq!(specs[0].secrets, vec!["whsec_a", "whsec_b"]);
+        assert_eq!(specs[1].name, "other");
+        assert_eq!(specs[1].secrets, vec!["whsec_c"]);
+        assert!(!format!("{specs:?}").contains("whsec"));
+
+        assert_eq!(parse_endpoints::<&str>(&[]), Err(EndpointConfigError::None));
+        assert_eq!(parse_endpoints(&["whsec_nope"]), Err(EndpointConfigError::NotNameEqualsSecret(1)));
+        assert_eq!(parse_endpoints(&["b=x", "bad name=whsec_1"]), Err(EndpointConfigError::BadName(2)));
+        assert_eq!(parse_endpoints(&["b="]), Err(EndpointConfigError::EmptySecret("b".into())));
+        assert_eq!(parse_endpoints(&["b=x,"]), Err(EndpointConfigError::EmptySecret("b".into())));
+        assert_eq!(parse_endpoints(&["b=x", "b=y"]), Err(EndpointConfigError::Duplicate("b".into())));
+        for e in [EndpointConfigError::NotNameEqualsSecret(1), EndpointConfigError::BadName(2)] {
+            assert!(!e.to_string().contains("whsec"));
+        }
+    }
+
+    #[test]
+    fn endpoint_lists_split_on_semicolons_and_lines() {
+        assert_eq!(split_endpoint_list("a=1;b=2\n# c=3\nd=4;"), vec!["a=1", "b=2", "d=4"]);
+    }
+
+    #[test]
+    fn durations_and_sizes() {
+        assert_eq!(parse_duration("5m").unwrap().as_secs(), 300);
+        assert_eq!(parse_duration("0").unwrap().as_secs(), 0);
+        assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_byte_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_byte_size("65536").unwrap(), 65536);
+        assert!(parse_byte_size("lots").is_err());
+    }
+}

@@ -1,0 +1,89 @@
+//! The PostgreSQL connection pool both binaries use.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+/// How a pool is sized and bounded.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Most connections open at once.
+    pub max_size: usize,
+    /// Bound on waiting for a free connection, on opening one and on recycling one.
+    pub timeout: Duration,
+    /// `application_name` shown in `pg_stat_activity`, so operators can tell the roles apart.
+    pub application_name: &'static str,
+    /// Server-side `statement_timeout` for every statement of these sessions (None: server default).
+    pub statement_timeout: Option<Duration>,
+}
+
+/// Parses a `DATABASE_URL` (URL or key=value form). The error never repeats the URL, which may
+/// hold a password.
+pub fn parse_database_url(url: &str) -> anyhow::Result<tokio_postgres::Config> {
+    url.parse::<tokio_postgres::Config>()
+        .map_err(|e| anyhow::anyhow!("DATABASE_URL is not a valid PostgreSQL connection string: {e}"))
+}
+
+/// Builds a pool. Connections are opened lazily; call [`check_reachable`] to fail fast at start-up.
+///
+/// Recycling is `Verified`: an empty query on every checkout, so a connection the server closed
+/// (restart, `pg_terminate_backend`, network cut) is noticed and replaced instead of failing the
+/// next request; the service recovers by itself when the database returns.
+pub fn build_pool(mut pg: tokio_postgres::Config, opts: &PoolOptions) -> anyhow::Result<Pool> {
+    pg.application_name(opts.application_name);
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(opts.timeout);
+    }
+    if let Some(st) = opts.statement_timeout {
+        pg.options(format!("-c statement_timeout={}", st.as_millis()));
+    }
+    pg.keepalives(true);
+    pg.keepalives_idle(Duration::from_secs(30));
+    let manager =
+        Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Verified });
+    Pool::builder(manager)
+        .max_size(opts.max_size)
+        .wait_timeout(Some(opts.timeout))
+        .create_timeout(Some(opts.timeout))
+        .recycle_timeout(Some(opts.timeout))
+        .runtime(Runtime::Tokio1)
+        .build()
+        .context("building the connection pool")
+}
+
+/// Opens one connection and runs a trivial query: the start-up check that the database is there.
+pub async fn check_reachable(pool: &Pool) -> anyhow::Result<()> {
+    let client = pool
+        .get()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect to the database: {}", describe_pool_error(&e)))?;
+    client
+        .simple_query("SELECT 1")
+        .await
+        .map_err(|e| anyhow::anyhow!("the database does not answer: {e}"))?;
+    Ok(())
+}
+
+/// A short description of a pool error that names the cause (refused, timed out, …) without
+/// printing connection parameters.
+pub fn describe_pool_error(e: &deadpool_postgres::PoolError) -> String {
+    use deadpool_postgres::PoolError;
+    match e {
+        PoolError::Timeout(kind) => format!("timed out ({kind:?}) waiting for a database connection"),
+        PoolError::Backend(e) => {
+            let mut text = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(s) = source {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                source = s.source();
+            }
+            text
+        }
+        PoolError::Closed => "the pool is closed".to_owned(),
+        PoolError::NoRuntimeSpecified => "no runtime for pool timeouts".to_owned(),
+        PoolError::PostCreateHook(e) => format!("connection set-up failed: {e}"),
+    }
+}

@@ -1,0 +1,129 @@
+//! `inbox-ingest`'s command line and environment, and the validated settings built from them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use inbox_domain::config::{
+    parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec, LogFormat,
+};
+
+/// Receives Stripe webhooks: verifies each signature on the raw body and commits the event to the
+/// inbox before answering 2xx.
+#[derive(Debug, Parser)]
+#[command(name = "inbox-ingest", version, about, max_term_width = 100)]
+pub struct Cli {
+    /// PostgreSQL connection string (URL or key=value).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+
+    /// Address to listen on (host:port).
+    #[arg(long, env = "INBOX_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: String,
+
+    /// A webhook endpoint and its signing secrets, NAME=SECRET[,SECRET…] (repeatable). The
+    /// environment form separates endpoints with `;`.
+    #[arg(
+        long = "endpoint",
+        value_name = "NAME=SECRET[,SECRET…]",
+        env = "INBOX_ENDPOINTS",
+        value_delimiter = ';',
+        hide_env_values = true
+    )]
+    pub endpoints: Vec<String>,
+
+    /// File with endpoints in the INBOX_ENDPOINTS format (`;` or newlines between entries), for
+    /// secrets mounted as files.
+    #[arg(long, env = "INBOX_ENDPOINTS_FILE", value_name = "PATH")]
+    pub endpoints_file: Option<PathBuf>,
+
+    /// Largest accepted age (or future skew) of a signature timestamp; 0 is refused.
+    #[arg(long, env = "INBOX_SIGNATURE_TOLERANCE", default_value = "5m", value_parser = parse_duration)]
+    pub tolerance: Duration,
+
+    /// Largest accepted body; larger requests get 413 before any verification.
+    #[arg(long, env = "INBOX_MAX_BODY", default_value = "1MiB", value_parser = parse_byte_size)]
+    pub max_body: u64,
+
+    /// Most database connections [default: 8 per core, at least 16].
+    #[arg(long, env = "INBOX_POOL_SIZE")]
+    pub pool_size: Option<usize>,
+
+    /// Bound on waiting for a connection plus running the insert; past it the answer is 503.
+    #[arg(long, env = "INBOX_DB_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub db_timeout: Duration,
+
+    /// Bound on receiving a request body; a client that trickles it slower gets 408.
+    #[arg(long, env = "INBOX_BODY_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub body_timeout: Duration,
+
+    /// Log format [default: text on a terminal, else json].
+    #[arg(long, env = "LOG_FORMAT", value_name = "json|text")]
+    pub log_format: Option<LogFormat>,
+}
+
+/// Validated settings of the service. Holds secrets: its Debug output redacts them.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Where the inbox lives (its Debug output redacts the password).
+    pub database: tokio_postgres::Config,
+    /// The endpoints served, with their secrets.
+    pub endpoints: Vec<EndpointSpec>,
+    pub tolerance: Duration,
+    pub max_body: usize,
+    pub pool_size: usize,
+    pub db_timeout: Duration,
+    pub body_timeout: Duration,
+    /// Whether the server reacts to SIGTERM/SIGINT itself (the binary) or is stopped by its
+    /// owner (tests running several servers in one process).
+    pub handle_signals: bool,
+}
+
+impl Cli {
+    /// Checks everything that can be checked before touching the network.
+    pub fn into_settings(self) -> anyhow::Result<Settings> {
+        let database = inbox_domain::db::parse_database_url(&self.database_url)?;
+        let mut entries = self.endpoints;
+        if let Some(path) = &self.endpoints_file {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the endpoints file {}", path.display()))?;
+            entries.extend(split_endpoint_list(&text));
+        }
+        let endpoints = parse_endpoints(&entries).context("invalid endpoint configuration")?;
+        if self.tolerance.is_zero() {
+            anyhow::bail!(
+                "--tolerance / INBOX_SIGNATURE_TOLERANCE must be above 0 (0 would disable the freshness check)"
+            );
+        }
+        if self.db_timeout.is_zero() {
+            anyhow::bail!("--db-timeout / INBOX_DB_TIMEOUT must be above 0");
+        }
+        let max_body = usize::try_from(self.max_body)
+            .ok()
+            .filter(|m| *m > 0)
+            .context("--max-body must be between 1 byte and the address space")?;
+        let pool_size = match self.pool_size {
+            Some(0) => anyhow::bail!("--pool-size / INBOX_POOL_SIZE must be at least 1"),
+            Some(n) => n,
+            None => default_pool_size(),
+        };
+        Ok(Settings {
+            database,
+            endpoints,
+            tolerance: self.tolerance,
+            max_body,
+            pool_size,
+            db_timeout: self.db_timeout,
+            body_timeout: self.body_timeout,
+            handle_signals: true,
+        })
+    }
+}
+
+/// Eight connections per core, at least 16: enough to keep PostgreSQL's commit pipeline full
+/// while requests wait on fsync, without exhausting a small server's `max_connections`.
+pub fn default_pool_size() -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    (cores * 8).max(16)
+}

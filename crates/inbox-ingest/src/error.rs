@@ -1,0 +1,67 @@
+//! Every way a webhook request can be refused, mapped to its status code.
+//!
+//! Messages are safe to send back: they never echo the signature, a secret or the payload.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use inbox_domain::{EventHeadError, SignatureError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error("unknown endpoint")]
+    UnknownEndpoint,
+    #[error("body larger than the limit")]
+    TooLarge,
+    #[error("body not received in time")]
+    BodyTimeout,
+    #[error("body could not be read")]
+    BodyRead,
+    #[error("signature verification failed: {0}")]
+    BadSignature(SignatureError),
+    #[error("{0}")]
+    BadPayload(EventHeadError),
+    #[error("payload refused by the database")]
+    PayloadRefused,
+    /// The database could not confirm the row in time. Stripe retries; the retry is deduplicated.
+    #[error("database unavailable")]
+    Unavailable(&'static str),
+}
+
+impl IngestError {
+    /// The metric/log label of this outcome.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            IngestError::UnknownEndpoint => "unknown_endpoint",
+            IngestError::TooLarge => "too_large",
+            IngestError::BodyTimeout => "body_timeout",
+            IngestError::BodyRead => "body_read_error",
+            IngestError::BadSignature(_) => "bad_signature",
+            IngestError::BadPayload(_) | IngestError::PayloadRefused => "bad_payload",
+            IngestError::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+impl ResponseError for IngestError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            IngestError::UnknownEndpoint => StatusCode::NOT_FOUND,
+            IngestError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            IngestError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            IngestError::BodyRead
+            | IngestError::BadSignature(_)
+            | IngestError::BadPayload(_)
+            | IngestError::PayloadRefused => StatusCode::BAD_REQUEST,
+            IngestError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut response = HttpResponse::build(self.status_code());
+        if let IngestError::Unavailable(_) = self {
+            // Stripe ignores it, other senders and proxies may honour it.
+            response.insert_header(("Retry-After", "1"));
+        }
+        response.json(serde_json::json!({ "error": self.to_string() }))
+    }
+}

@@ -1,0 +1,32 @@
+use std::net::TcpListener;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::Parser as _;
+use inbox_ingest::{Application, Cli};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    inbox_domain::config::init_tracing(cli.log_format);
+    match actix_web::rt::System::new().block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "inbox-ingest stopped");
+            eprintln!("inbox-ingest: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let listen = cli.listen.clone();
+    let settings = cli.into_settings()?;
+    let listener = TcpListener::bind(&listen).with_context(|| format!("binding {listen}"))?;
+    let endpoints: Vec<String> = settings.endpoints.iter().map(|e| e.name.clone()).collect();
+    let address = listener.local_addr()?;
+    let app = Application::build(settings, listener).await?;
+    tracing::info!(listen = %address, ?endpoints, "inbox-ingest serving");
+    app.run_until_stopped().await.context("serving")?;
+    tracing::info!("inbox-ingest stopped cleanly");
+    Ok(())
+}

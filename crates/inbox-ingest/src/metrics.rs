@@ -1,0 +1,96 @@
+//! Prometheus metrics of the ingest, on an explicit registry (no global state).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    endpoint: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SignatureLabels {
+    endpoint: String,
+    reason: &'static str,
+}
+
+/// The label used for requests to endpoints that are not configured, so that scanning random
+/// names cannot grow the number of series.
+pub const UNKNOWN_ENDPOINT_LABEL: &str = "_unknown";
+
+/// Handles to every ingest metric. Cloning is cheap (the series are shared).
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    requests: Family<RequestLabels, Counter>,
+    duration: Family<OutcomeLabel, Histogram>,
+    signature_failures: Family<SignatureLabels, Counter>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms .. ~8 s: commits take milliseconds, timeouts take seconds.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.0005, 2.0, 15))
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "inbox_ingest_requests",
+            "Webhook requests by endpoint and outcome (accepted, duplicate, bad_signature, ...)",
+            requests.clone(),
+        );
+        let duration =
+            Family::<OutcomeLabel, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "inbox_ingest_request_duration_seconds",
+            "Time from the request's arrival to its answer, by outcome",
+            duration.clone(),
+        );
+        let signature_failures = Family::<SignatureLabels, Counter>::default();
+        registry.register(
+            "inbox_ingest_signature_failures",
+            "Requests refused by signature verification, by endpoint and reason",
+            signature_failures.clone(),
+        );
+        Metrics { registry: Arc::new(registry), requests, duration, signature_failures }
+    }
+
+    pub fn record(&self, endpoint: &str, outcome: &'static str, elapsed: Duration) {
+        self.requests.get_or_create(&RequestLabels { endpoint: endpoint.to_owned(), outcome }).inc();
+        self.duration.get_or_create(&OutcomeLabel { outcome }).observe(elapsed.as_secs_f64());
+    }
+
+    pub fn signature_failure(&self, endpoint: &str, reason: &'static str) {
+        self.signature_failures
+            .get_or_create(&SignatureLabels { endpoint: endpoint.to_owned(), reason })
+            .inc();
+    }
+
+    /// The exposition text (OpenMetrics, which Prometheus scrapes natively).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,190 @@
+//! The HTTP handlers: the webhook receiver and the health, readiness and metrics endpoints.
+
+use std::time::{Duration, Instant};
+
+use actix_web::http::header::{HeaderMap, CONTENT_LENGTH};
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse};
+use inbox_domain::store::{self, InsertOutcome};
+use inbox_domain::{EventHead, PROVIDER_STRIPE};
+use tokio_postgres::error::SqlState;
+use tracing::Instrument as _;
+
+use crate::error::IngestError;
+use crate::metrics::UNKNOWN_ENDPOINT_LABEL;
+use crate::startup::AppState;
+
+/// The header Stripe signs with.
+pub const SIGNATURE_HEADER: &str = "Stripe-Signature";
+
+/// `POST /webhooks/stripe/{endpoint}`: verify, store, then answer.
+pub async fn receive_webhook(
+    state: web::Data<AppState>,
+    endpoint: web::Path<String>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, IngestError> {
+    let started = Instant::now();
+    let endpoint = endpoint.into_inner();
+    let span = tracing::info_span!(
+        "webhook",
+        provider = PROVIDER_STRIPE,
+        endpoint = tracing::field::Empty,
+        event_id = tracing::field::Empty,
+        event_type = tracing::field::Empty,
+    );
+    let result = receive(&state, &endpoint, request.headers(), payload).instrument(span.clone()).await;
+    let known = state.endpoints.contains_key(&endpoint);
+    let label = if known { endpoint.as_str() } else { UNKNOWN_ENDPOINT_LABEL };
+    let elapsed = started.elapsed();
+    let _entered = span.enter();
+    match &result {
+        Ok(outcome) => {
+            state.metrics.record(label, outcome.as_str(), elapsed);
+            tracing::info!(
+                outcome = outcome.as_str(),
+                elapsed_ms = elapsed.as_secs_f64() * 1e3,
+                "webhook stored"
+            );
+        }
+        Err(e) => {
+            state.metrics.record(label, e.outcome(), elapsed);
+            if let IngestError::BadSignature(reason) = e {
+                state.metrics.signature_failure(label, reason.reason());
+            }
+            match e {
+                IngestError::Unavailable(cause) => {
+                    tracing::warn!(outcome = e.outcome(), cause, "webhook not stored: database unavailable")
+                }
+                _ => tracing::info!(outcome = e.outcome(), error = %e, "webhook refused"),
+            }
+        }
+    }
+    result.map(|outcome| HttpResponse::Ok().json(serde_json::json!({ "status": outcome.as_str() })))
+}
+
+async fn receive(
+    state: &AppState,
+    endpoint: &str,
+    headers: &HeaderMap,
+    payload: web::Payload,
+) -> Result<InsertOutcome, IngestError> {
+    let verifier = state.endpoints.get(endpoint).ok_or(IngestError::UnknownEndpoint)?;
+    tracing::Span::current().record("endpoint", endpoint);
+
+    let body = read_body(headers, payload, state.max_body, state.body_timeout).await?;
+
+    // Two Stripe-Signature headers are ambiguous: refuse rather than pick one.
+    let mut signatures = headers.get_all(SIGNATURE_HEADER);
+    let header = signatures.next().map(|v| v.as_bytes());
+    if signatures.next().is_some() {
+        return Err(IngestError::BadSignature(inbox_domain::SignatureError::Malformed(
+            "more than one Stripe-Signature header",
+        )));
+    }
+    verifier.verify_now(header, &body).map_err(IngestError::BadSignature)?;
+
+    // Only a verified body is parsed, and only a parsed one reaches the database.
+    let head = EventHead::parse(&body).map_err(IngestError::BadPayload)?;
+    let span = tracing::Span::current();
+    span.record("event_id", head.id.as_ref());
+    span.record("event_type", head.event_type.as_ref());
+
+    let insert = async {
+        let client = state.pool.get().await.map_err(|e| {
+            tracing::debug!(error = %inbox_domain::db::describe_pool_error(&e), "no database connection");
+            IngestError::Unavailable("no connection")
+        })?;
+        store::insert_event(&client, PROVIDER_STRIPE, endpoint, &head, &body).await.map_err(classify_db_error)
+    };
+    match tokio::time::timeout(state.db_timeout, insert).await {
+        Ok(result) => result,
+        Err(_) => Err(IngestError::Unavailable("timed out")),
+    }
+}
+
+/// Reads the body, refusing one over `limit` before reading it when Content-Length says so,
+/// and otherwise as soon as the streamed bytes pass the limit (chunked or lying senders).
+async fn read_body(
+    headers: &HeaderMap,
+    payload: web::Payload,
+    limit: usize,
+    deadline: Duration,
+) -> Result<Bytes, IngestError> {
+    if let Some(length) = headers.get(CONTENT_LENGTH) {
+        let declared = length.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok());
+        match declared {
+            Some(n) if n > limit as u64 => return Err(IngestError::TooLarge),
+            Some(_) => {}
+            None => return Err(IngestError::BodyRead),
+        }
+    }
+    match tokio::time::timeout(deadline, payload.to_bytes_limited(limit)).await {
+        Err(_) => Err(IngestError::BodyTimeout),
+        Ok(Err(_limit_exceeded)) => Err(IngestError::TooLarge),
+        Ok(Ok(Err(_read_error))) => Err(IngestError::BodyRead),
+        Ok(Ok(Ok(body))) => Ok(body),
+    }
+}
+
+/// Database errors: a data exception (class 22, e.g. a `\u0000` that `jsonb` refuses) will fail
+/// the same way on every retry, so it is the sender's problem (400); anything else may pass on a
+/// retry (503), including a connection lost during the commit, whose outcome is unknown: the
+/// redelivery then meets `ON CONFLICT` and is answered as a duplicate.
+fn classify_db_error(e: tokio_postgres::Error) -> IngestError {
+    match e.code() {
+        Some(code) if code.code().starts_with("22") => {
+            tracing::warn!(sqlstate = code.code(), "payload refused by the database");
+            IngestError::PayloadRefused
+        }
+        Some(code) if *code == SqlState::QUERY_CANCELED => IngestError::Unavailable("statement timeout"),
+        _ => {
+            tracing::warn!(error = %e, "insert failed");
+            IngestError::Unavailable("database error")
+        }
+    }
+}
+
+/// `GET /healthz`: the process is up.
+pub async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({ "status": "ok" }))
+}
+
+/// `GET /readyz`: the database answers and its schema is at least the version this build expects.
+pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+    let expected = inbox_domain::schema::expected_version();
+    let check = async {
+        let client = state.pool.get().await.map_err(|_| "database unavailable")?;
+        inbox_domain::schema::current_version(&client).await.map_err(|_| "database unavailable")
+    };
+    let timeout = state.db_timeout.min(Duration::from_secs(2));
+    let (ready, body) = match tokio::time::timeout(timeout, check).await {
+        Ok(Ok(Some(version))) if version >= expected => {
+            (true, serde_json::json!({ "status": "ready", "schema_version": version }))
+        }
+        Ok(Ok(version)) => (
+            false,
+            serde_json::json!({
+                "status": "not_ready",
+                "error": format!(
+                    "schema version {} is older than the {expected} this binary expects: run `inbox-worker migrate`",
+                    version.unwrap_or(0)
+                ),
+            }),
+        ),
+        Ok(Err(cause)) => (false, serde_json::json!({ "status": "not_ready", "error": cause })),
+        Err(_) => (false, serde_json::json!({ "status": "not_ready", "error": "database timed out" })),
+    };
+    if ready {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
+    }
+}
+
+/// `GET /metrics`: Prometheus exposition.
+pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("application/openmetrics-text; version=1.0.0; charset=utf-8")
+        .body(state.metrics.render())
+}

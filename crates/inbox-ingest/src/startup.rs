@@ -1,0 +1,118 @@
+//! Building and running the HTTP service.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::Server;
+pub use actix_web::dev::ServerHandle;
+use actix_web::{web, App, HttpResponse, HttpServer};
+use anyhow::Context as _;
+use deadpool_postgres::Pool;
+use inbox_domain::db::{build_pool, check_reachable, PoolOptions};
+use inbox_domain::Verifier;
+
+use crate::configuration::Settings;
+use crate::error::IngestError;
+use crate::metrics::Metrics;
+use crate::routes;
+
+/// What every request handler shares.
+pub struct AppState {
+    /// Verifier per configured endpoint name; a name not in here is a 404.
+    pub endpoints: Arc<HashMap<String, Verifier>>,
+    /// Connections to the inbox database.
+    pub pool: Pool,
+    /// Largest body accepted (413 above).
+    pub max_body: usize,
+    /// Bound on receiving the body (408 past it).
+    pub body_timeout: Duration,
+    /// Bound on storing the event (503 past it).
+    pub db_timeout: Duration,
+    pub metrics: Metrics,
+}
+
+/// A built service, bound to its listener, ready to run.
+pub struct Application {
+    port: u16,
+    server: Server,
+    pool: Pool,
+}
+
+/// How long in-flight requests may take to finish after a stop signal.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+impl Application {
+    /// Builds the service on an already-bound listener (tests bind port 0). Refuses bad secrets
+    /// or tolerance and an unreachable database.
+    pub async fn build(settings: Settings, listener: TcpListener) -> anyhow::Result<Application> {
+        let mut endpoints = HashMap::new();
+        for spec in &settings.endpoints {
+            let verifier = Verifier::new(&spec.secrets, settings.tolerance)
+                .with_context(|| format!("endpoint {:?}", spec.name))?;
+            endpoints.insert(spec.name.clone(), verifier);
+        }
+        let pool = build_pool(
+            settings.database.clone(),
+            &PoolOptions {
+                max_size: settings.pool_size,
+                timeout: settings.db_timeout,
+                application_name: "inbox-ingest",
+                statement_timeout: Some(settings.db_timeout),
+            },
+        )?;
+        check_reachable(&pool).await?;
+
+        let port = listener.local_addr().context("reading the listener's address")?.port();
+        let state = web::Data::new(AppState {
+            endpoints: Arc::new(endpoints),
+            pool: pool.clone(),
+            max_body: settings.max_body,
+            body_timeout: settings.body_timeout,
+            db_timeout: settings.db_timeout,
+            metrics: Metrics::new(),
+        });
+        let mut server = HttpServer::new(move || {
+            App::new()
+                .app_data(state.clone())
+                .app_data(
+                    web::PathConfig::default().error_handler(|_, _| IngestError::UnknownEndpoint.into()),
+                )
+                .service(
+                    web::resource("/webhooks/stripe/{endpoint}")
+                        .route(web::post().to(routes::receive_webhook)),
+                )
+                .route("/healthz", web::get().to(routes::healthz))
+                .route("/readyz", web::get().to(routes::readyz))
+                .route("/metrics", web::get().to(routes::metrics))
+                .default_service(web::to(|| async {
+                    HttpResponse::NotFound().json(serde_json::json!({ "error": "not found" }))
+                }))
+        })
+        .shutdown_timeout(SHUTDOWN_GRACE.as_secs())
+        .listen(listener)
+        .context("listening")?;
+        if !settings.handle_signals {
+            server = server.disable_signals();
+        }
+        Ok(Application { port, server: server.run(), pool })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A handle that stops the server gracefully (`stop(true)`) from elsewhere.
+    pub fn handle(&self) -> ServerHandle {
+        self.server.handle()
+    }
+
+    /// Serves until a stop signal (SIGTERM/SIGINT) or [`Application::handle`] stops it, after
+    /// in-flight requests were answered.
+    pub async fn run_until_stopped(self) -> std::io::Result<()> {
+        let result = self.server.await;
+        self.pool.close();
+        result
+    }
+}

@@ -1,0 +1,132 @@
+//! The built binaries run as processes, the way operators run them.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Path of a workspace binary: `$INBOX_BIN_DIR/<name>`, else `target/debug/<name>`
+/// (`make test` builds them before running the tests).
+pub fn bin_path(name: &str) -> PathBuf {
+    let dir = std::env::var_os("INBOX_BIN_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target")));
+        target.join("debug")
+    });
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not found: build the binaries first (`cargo build --bins`, done by `make test`)",
+        path.display()
+    );
+    path
+}
+
+/// A command for a workspace binary with a clean environment (no inherited DATABASE_URL etc.).
+pub fn command(name: &str) -> Command {
+    let mut cmd = Command::new(bin_path(name));
+    cmd.env_clear();
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    cmd.env("LOG_FORMAT", "json");
+    cmd
+}
+
+/// A running binary whose stderr (the logs) is collected line by line.
+pub struct Proc {
+    pub child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    rx: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    pub fn spawn(mut cmd: Command) -> Proc {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
+        let mut child = cmd.spawn().expect("starting the binary");
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (tx, rx) = mpsc::channel();
+        for stream in [
+            Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stdout.take().unwrap()),
+        ] {
+            let lines = lines.clone();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push(line.clone());
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Proc { child, lines, rx }
+    }
+
+    /// Waits for an output line containing `needle` and returns it.
+    pub fn wait_for_line(&self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => {
+                    panic!("no line containing {needle:?} within {timeout:?}; output:\n{}", self.output())
+                }
+            }
+        }
+    }
+
+    /// Everything printed so far.
+    pub fn output(&self) -> String {
+        self.lines.lock().unwrap().join("\n")
+    }
+
+    pub fn signal(&self, signal: i32) {
+        let rc = kill(self.child.id() as i32, signal);
+        assert_eq!(rc, 0, "kill failed");
+    }
+
+    /// Waits for the exit status, killing the process after `timeout`.
+    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // Let the reader threads drain the pipes.
+                std::thread::sleep(Duration::from_millis(50));
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("process did not exit within {timeout:?}; output:\n{}", self.output());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends `signal` to `pid` (SIGTERM, SIGKILL, SIGSTOP, …); returns kill(2)'s result.
+#[allow(unsafe_code)]
+pub fn kill(pid: i32, signal: i32) -> i32 {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid, signal) }
+}
+
+/// Runs a binary to completion and returns (exit code, stdout + stderr).
+pub fn run(mut cmd: Command, timeout: Duration) -> (i32, String) {
+    let mut p = Proc::spawn({
+        cmd.stdin(Stdio::null());
+        cmd
+    });
+    let status = p.wait(timeout);
+    (status.code().unwrap_or(-1), p.output())
+}
