@@ -13,8 +13,9 @@
 #
 # The cluster lives in $PGDATA_DIR (default <repo>/.pg): data/ (PGDATA), port (TCP
 # port on 127.0.0.1, chosen once, written last = "cluster complete" marker),
-# log/postgres.log, lock (flock), and the unix socket. As root, server commands run
-# as user postgres (runuser); otherwise as the current user. Progress goes to stderr.
+# log/postgres.log, lock (flock on fd 9, which is never passed to the server) and the
+# unix socket. As root, server commands run as user postgres (runuser); otherwise as
+# the current user. Progress goes to stderr; stdout only carries url/env/status output.
 set -Eeuo pipefail
 trap 'echo "pg.sh: unexpected failure at line $LINENO: $BASH_COMMAND" >&2' ERR
 
@@ -30,9 +31,9 @@ fail() { # die, showing the tail of a log file
     die "$1"
 }
 if [[ $(id -u) -eq 0 ]]; then
-    as_pg() { (cd / && runuser -u postgres -- "$@"); }
+    as_pg() { (cd / && runuser -u postgres -- "$@") 9>&-; }
 else
-    as_pg() { "$@"; }
+    as_pg() { "$@" 9>&-; }
 fi
 
 exists() { [[ -f $DIR/port && -f $DATA/PG_VERSION ]]; }
@@ -133,6 +134,8 @@ cmd_start() {
         write_conf
         log "starting server on 127.0.0.1:$PORT (log: $LOG)"
         as_pg pg_ctl -D "$DATA" -l "$LOG" -w -t 60 start >&2 || fail "pg_ctl start failed"
+    else
+        log "already running on 127.0.0.1:$PORT"
     fi
     wait_ready
     [[ $(q "select 1 from pg_database where datname = '$DB'") == 1 ]] ||
