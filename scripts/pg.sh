@@ -21,6 +21,12 @@ trap 'echo "pg.sh: unexpected failure at line $LINENO: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=$(realpath -m "${PGDATA_DIR:-$ROOT/.pg}")
+# As root, the checkout may sit under a directory the postgres user cannot enter (mktemp -d
+# makes 0700 ones). Rather than loosen the user's permissions, keep the cluster under /tmp,
+# in a directory named after the checkout so each checkout keeps its own cluster.
+if [[ -z ${PGDATA_DIR:-} && $(id -u) -eq 0 ]] && ! runuser -u postgres -- test -x "$ROOT" 2>/dev/null; then
+    DIR=/tmp/stripe-inbox-pg-$(printf '%s' "$ROOT" | md5sum | cut -c1-12)
+fi
 DATA=$DIR/data LOG=$DIR/log/postgres.log DB=inbox PORT=
 
 log() { echo "pg.sh: $*" >&2; }

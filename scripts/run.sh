@@ -7,9 +7,8 @@ bin=$root/target/release
 export INBOX_LISTEN=${INBOX_LISTEN:-127.0.0.1:8080}
 export LOG_FORMAT=${LOG_FORMAT:-text}
 if [[ -z ${INBOX_ENDPOINTS:-} ]]; then
-    # A development endpoint `billing` with a secret generated once and kept in .pg/.
-    mkdir -p "$root/.pg"
-    dev=$root/.pg/dev-endpoints
+    # A development endpoint `billing` with a secret generated once and kept in .dev-endpoints.
+    dev=$root/.dev-endpoints
     [[ -s $dev ]] || printf 'billing=whsec_dev_%s\n' "$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')" > "$dev"
     INBOX_ENDPOINTS=$(<"$dev")
     generated=1
@@ -32,7 +31,7 @@ cat <<INFO
     ingest:        http://$INBOX_LISTEN/webhooks/stripe/$endpoint
     DATABASE_URL:  $DATABASE_URL
 INFO
-[[ -n ${generated:-} ]] && echo "    dev endpoint:  INBOX_ENDPOINTS=$INBOX_ENDPOINTS   (generated; kept in .pg/dev-endpoints)"
+[[ -n ${generated:-} ]] && echo "    dev endpoint:  INBOX_ENDPOINTS=$INBOX_ENDPOINTS   (generated; kept in .dev-endpoints)"
 cat <<INFO
 
   send a signed test event:   scripts/send-test-event.sh invoice.paid

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # send-test-event.sh [TYPE] [EVENT_ID]: POST a signed invoice event to the local inbox-ingest.
 # Uses INBOX_LISTEN (default 127.0.0.1:8080) and the first endpoint/secret of INBOX_ENDPOINTS
-# (default: the development secret `make run` generated in .pg/dev-endpoints).
+# (default: the development secret `make run` generated in .dev-endpoints).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 type=${1:-invoice.paid}
 id=${2:-evt_test_$(date +%s%N)}
-endpoints=${INBOX_ENDPOINTS:-$(cat "$here/../.pg/dev-endpoints" 2>/dev/null || true)}
+endpoints=${INBOX_ENDPOINTS:-$(cat "$here/../.dev-endpoints" 2>/dev/null || true)}
 [[ -n $endpoints ]] || { echo "set INBOX_ENDPOINTS=NAME=SECRET or run make run first" >&2; exit 2; }
 first=${endpoints%%;*}; name=${first%%=*}; secrets=${first#*=}; secret=${secrets%%,*}
 invoice=in_${id#evt_}
