@@ -10,6 +10,7 @@
 pub mod config;
 pub mod db;
 pub mod event;
+pub mod handlers;
 pub mod schema;
 pub mod signature;
 pub mod store;

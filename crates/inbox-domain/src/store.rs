@@ -53,3 +53,178 @@ pub async fn insert_event<C: GenericClient + Sync>(
         .await?;
     Ok(if rows.is_empty() { InsertOutcome::Duplicate } else { InsertOutcome::Accepted })
 }
+
+/// The identity of an inbox row.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct InboxKey {
+    pub provider: String,
+    pub endpoint: String,
+    pub event_id: String,
+}
+
+/// A row a worker claimed: its key, and the values the claim wrote, which identify this claim
+/// (a later claim of the same row by another worker has a higher `attempts`).
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub key: InboxKey,
+    pub event_type: String,
+    /// The attempt this claim counted (1 for the first).
+    pub attempts: i32,
+    pub received_at: std::time::SystemTime,
+}
+
+/// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, available,
+/// below the attempt limit `$1` — skipping rows other workers hold, and for each counts the
+/// attempt and leases it for `$3` seconds. Runs as one autocommit statement, so the attempt is
+/// committed before any work starts: a worker that dies mid-event still used up an attempt, and a
+/// poison row stops at the limit.
+///
+/// Oldest availability first; `ORDER BY` inside the locking subquery keeps the scan on the
+/// partial index `webhook_inbox_unprocessed`.
+pub const CLAIM_SQL: &str = "\
+WITH picked AS (
+    SELECT provider, endpoint, event_id
+      FROM webhook_inbox
+     WHERE processed_at IS NULL
+       AND available_at <= now()
+       AND attempts < $1
+     ORDER BY available_at
+     LIMIT $2
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE webhook_inbox AS w
+   SET attempts = w.attempts + 1,
+       available_at = now() + make_interval(secs => $3)
+  FROM picked
+ WHERE (w.provider, w.endpoint, w.event_id) = (picked.provider, picked.endpoint, picked.event_id)
+RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at";
+
+/// Runs [`CLAIM_SQL`].
+pub async fn claim<C: GenericClient + Sync>(
+    client: &C,
+    max_attempts: i32,
+    limit: i64,
+    lease: std::time::Duration,
+) -> Result<Vec<Claimed>, tokio_postgres::Error> {
+    let stmt = client.prepare_cached(CLAIM_SQL).await?;
+    let rows = client.query(&stmt, &[&max_attempts, &limit, &lease.as_secs_f64()]).await?;
+    Ok(rows
+        .iter()
+        .map(|r| Claimed {
+            key: InboxKey { provider: r.get(0), endpoint: r.get(1), event_id: r.get(2) },
+            event_type: r.get(3),
+            attempts: r.get(4),
+            received_at: r.get(5),
+        })
+        .collect())
+}
+
+/// Bounds of the process transaction (transaction 2), transaction-local: they end with it and
+/// never leak into the next use of the connection. `$1` statement_timeout, `$2` lock_timeout,
+/// `$3` idle_in_transaction_session_timeout (a worker that stalls mid-transaction is cut off
+/// and its row lock released).
+pub const SET_LIMITS_SQL: &str = "\
+SELECT set_config('statement_timeout', $1, true),
+       set_config('lock_timeout', $2, true),
+       set_config('idle_in_transaction_session_timeout', $3, true)";
+
+/// Locks the row for processing and re-checks it is still unprocessed. Deliberately without
+/// SKIP LOCKED: another worker's claim may hold the row for an instant, and skipping would leave
+/// it until the lease expires; the wait is bounded by lock_timeout. Returns no row when another
+/// worker processed it meanwhile (our lease expired and it was taken): then we do nothing.
+pub const LOCK_FOR_PROCESSING_SQL: &str = "\
+SELECT event_type, payload, attempts
+  FROM webhook_inbox
+ WHERE provider = $1 AND endpoint = $2 AND event_id = $3
+   AND processed_at IS NULL
+   FOR UPDATE";
+
+/// Marks the row processed in the handler's transaction: effect and mark commit together.
+pub const MARK_PROCESSED_SQL: &str = "\
+UPDATE webhook_inbox
+   SET processed_at = now(), last_error = NULL
+ WHERE provider = $1 AND endpoint = $2 AND event_id = $3";
+
+/// Fail (transaction 3, after the process transaction rolled back): records the error and moves
+/// the row to `now() + least(300, 2^attempts) * random()` seconds (full jitter). Only while the
+/// row is unprocessed: a row another worker finished is left alone. Returns the attempts, so the
+/// caller can tell whether the row is now parked.
+pub const RECORD_FAILURE_SQL: &str = "\
+UPDATE webhook_inbox
+   SET last_error = $4,
+       available_at = now() + make_interval(secs => least(300, 2 ^ attempts) * random())
+ WHERE provider = $1 AND endpoint = $2 AND event_id = $3
+   AND processed_at IS NULL
+RETURNING attempts";
+
+/// Hands back a row this worker claimed but never started (shutdown): the claim's attempt is
+/// returned and the row is available at once. Only when the row still carries this claim
+/// (`attempts = $4`, unprocessed): if the lease expired and another worker claimed it, nothing.
+pub const HAND_BACK_SQL: &str = "\
+UPDATE webhook_inbox
+   SET attempts = attempts - 1, available_at = now()
+ WHERE provider = $1 AND endpoint = $2 AND event_id = $3
+   AND processed_at IS NULL AND attempts = $4";
+
+/// The longest `last_error` stored.
+pub const MAX_ERROR_LEN: usize = 1024;
+
+/// Truncates an error message to [`MAX_ERROR_LEN`] bytes on a character boundary.
+pub fn truncate_error(message: &str) -> &str {
+    if message.len() <= MAX_ERROR_LEN {
+        return message;
+    }
+    let mut end = MAX_ERROR_LEN;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    &message[..end]
+}
+
+/// Runs [`RECORD_FAILURE_SQL`]; returns the row's attempts, or None when it was processed meanwhile.
+pub async fn record_failure<C: GenericClient + Sync>(
+    client: &C,
+    key: &InboxKey,
+    error: &str,
+) -> Result<Option<i32>, tokio_postgres::Error> {
+    let stmt = client.prepare_cached(RECORD_FAILURE_SQL).await?;
+    let row = client
+        .query_opt(&stmt, &[&key.provider, &key.endpoint, &key.event_id, &truncate_error(error)])
+        .await?;
+    Ok(row.map(|r| r.get(0)))
+}
+
+/// Runs [`HAND_BACK_SQL`]; true when the row was handed back.
+pub async fn hand_back<C: GenericClient + Sync>(
+    client: &C,
+    claimed: &Claimed,
+) -> Result<bool, tokio_postgres::Error> {
+    let stmt = client.prepare_cached(HAND_BACK_SQL).await?;
+    let n = client
+        .execute(
+            &stmt,
+            &[&claimed.key.provider, &claimed.key.endpoint, &claimed.key.event_id, &claimed.attempts],
+        )
+        .await?;
+    Ok(n == 1)
+}
+
+/// Wakes idle workers. Sent by the ingest at most once per short interval, outside the insert
+/// transactions (a NOTIFY inside each would serialise their commits).
+pub const NOTIFY_SQL: &str = "SELECT pg_notify('webhook_inbox', '')";
+/// What workers LISTEN on.
+pub const LISTEN_SQL: &str = "LISTEN webhook_inbox";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_truncated_on_a_character_boundary() {
+        assert_eq!(truncate_error("short"), "short");
+        let long = "é".repeat(MAX_ERROR_LEN);
+        let cut = truncate_error(&long);
+        assert!(cut.len() <= MAX_ERROR_LEN && cut.len() >= MAX_ERROR_LEN - 1);
+        assert!(cut.chars().all(|c| c == 'é'));
+    }
+}

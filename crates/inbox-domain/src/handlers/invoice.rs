@@ -1,0 +1,140 @@
+//! The invoice domain (seed 5.2, completed): a forward-only status machine, one ledger booking
+//! per invoice, an outbox row only for a new booking, and reconciliation items for payments on
+//! voided invoices.
+//!
+//! Status ranks: `draft < open < uncollectible < paid`, `void` terminal, and `paid` is never
+//! voided (a payment is not undone by a late `invoice.voided`). Every event moves the invoice to
+//! the higher of its current and its own status, creating it when absent, so any delivery order
+//! of a lifecycle ends in the same state.
+
+use deadpool_postgres::Transaction;
+
+use super::{HandlerError, HandlerFuture, InboxEvent, Registry};
+
+/// Registers the five invoice handlers.
+pub fn register(registry: &mut Registry) {
+    registry
+        .register("invoice.created", created)
+        .register("invoice.finalized", finalized)
+        .register("invoice.paid", paid)
+        .register("invoice.voided", voided)
+        .register("invoice.marked_uncollectible", marked_uncollectible);
+}
+
+/// `invoice.created`: insert if absent, with the payload's status when it is `draft` or `open`
+/// (`draft` otherwise); never changes an existing invoice.
+pub const INSERT_IF_ABSENT_SQL: &str = "\
+INSERT INTO invoices (id, customer_id, status)
+VALUES ($1, $2, $3)
+ON CONFLICT (id) DO NOTHING";
+
+/// Moves an invoice forward to `$3` (creating it when absent). The WHERE is the transition rule:
+/// only to a higher rank, never out of `void`, never from `paid` to `void`.
+pub const ADVANCE_SQL: &str = "\
+INSERT INTO invoices (id, customer_id, status)
+VALUES ($1, $2, $3)
+ON CONFLICT (id) DO UPDATE
+   SET status = EXCLUDED.status, updated_at = now()
+ WHERE array_position(ARRAY['draft','open','uncollectible','paid','void'], EXCLUDED.status)
+     > array_position(ARRAY['draft','open','uncollectible','paid','void'], invoices.status)
+   AND invoices.status <> 'void'
+   AND NOT (invoices.status = 'paid' AND EXCLUDED.status = 'void')";
+
+/// `invoice.paid` step 1: upsert to `paid` unless already `paid` or `void` (seed 5.2).
+pub const PAY_SQL: &str = "\
+INSERT INTO invoices (id, customer_id, status, amount_paid, paid_at)
+VALUES ($1, $2, 'paid', $3, now())
+ON CONFLICT (id) DO UPDATE
+   SET status = 'paid',
+       amount_paid = EXCLUDED.amount_paid,
+       paid_at = COALESCE(invoices.paid_at, EXCLUDED.paid_at),
+       updated_at = now()
+ WHERE invoices.status NOT IN ('paid', 'void')";
+
+/// `invoice.paid` step 2: the status after step 1 (the row is locked by it: stable until commit).
+pub const STATUS_SQL: &str = "SELECT status FROM invoices WHERE id = $1";
+
+/// `invoice.paid` step 3: book the payment once (UNIQUE (invoice_id, kind) is the second line of
+/// defence against the same payment sent as two Event objects) and, only when the booking is
+/// new, write the outbox row — one statement, so they cannot disagree.
+pub const BOOK_PAYMENT_SQL: &str = "\
+WITH booked AS (
+    INSERT INTO ledger_entries (invoice_id, kind, amount)
+    VALUES ($1, 'payment', $2)
+    ON CONFLICT (invoice_id, kind) DO NOTHING
+    RETURNING invoice_id, amount
+)
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'Invoice', invoice_id, 'InvoicePaymentBooked',
+       jsonb_build_object('invoice_id', invoice_id, 'amount', amount)
+  FROM booked";
+
+/// `invoice.paid` on a voided invoice: book nothing, record it for a person once per event.
+pub const RECONCILE_SQL: &str = "\
+INSERT INTO reconciliation_items (invoice_id, event_id, reason, detail)
+SELECT $1, $2, 'payment_on_void_invoice', jsonb_build_object('amount_paid', $3::bigint, 'endpoint', $4::text)
+ WHERE NOT EXISTS (SELECT 1 FROM reconciliation_items
+                    WHERE invoice_id = $1 AND event_id = $2 AND reason = 'payment_on_void_invoice')";
+
+fn created<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+    Box::pin(async move {
+        let id = event.object_str("id")?;
+        let customer = event.object_str("customer")?;
+        let status = match event.object_str("status") {
+            Ok("open") => "open",
+            _ => "draft",
+        };
+        let stmt = tx.prepare_cached(INSERT_IF_ABSENT_SQL).await?;
+        tx.execute(&stmt, &[&id, &customer, &status]).await?;
+        Ok(())
+    })
+}
+
+async fn advance(tx: &Transaction<'_>, event: &InboxEvent, status: &str) -> Result<(), HandlerError> {
+    let id = event.object_str("id")?;
+    let customer = event.object_str("customer")?;
+    let stmt = tx.prepare_cached(ADVANCE_SQL).await?;
+    tx.execute(&stmt, &[&id, &customer, &status]).await?;
+    Ok(())
+}
+
+fn finalized<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+    Box::pin(advance(tx, event, "open"))
+}
+
+fn voided<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+    Box::pin(advance(tx, event, "void"))
+}
+
+fn marked_uncollectible<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+    Box::pin(advance(tx, event, "uncollectible"))
+}
+
+fn paid<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+    Box::pin(async move {
+        let id = event.object_str("id")?;
+        let customer = event.object_str("customer")?;
+        let amount = event.object_i64("amount_paid")?;
+        if amount < 0 {
+            return Err(HandlerError::Payload("data.object.amount_paid is negative".into()));
+        }
+        let pay = tx.prepare_cached(PAY_SQL).await?;
+        tx.execute(&pay, &[&id, &customer, &amount]).await?;
+        let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
+        let status: String = tx.query_one(&status_stmt, &[&id]).await?.get(0);
+        match status.as_str() {
+            "paid" => {
+                let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
+                tx.execute(&book, &[&id, &amount]).await?;
+            }
+            "void" => {
+                let reconcile = tx.prepare_cached(RECONCILE_SQL).await?;
+                tx.execute(&reconcile, &[&id, &event.event_id, &amount, &event.endpoint]).await?;
+            }
+            other => {
+                return Err(HandlerError::Other(format!("invoice {id} is {other} after invoice.paid")));
+            }
+        }
+        Ok(())
+    })
+}
