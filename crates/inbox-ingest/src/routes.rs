@@ -97,10 +97,14 @@ async fn receive(
         })?;
         store::insert_event(&client, PROVIDER_STRIPE, endpoint, &head, &body).await.map_err(classify_db_error)
     };
-    match tokio::time::timeout(state.db_timeout, insert).await {
-        Ok(result) => result,
-        Err(_) => Err(IngestError::Unavailable("timed out")),
+    let outcome = match tokio::time::timeout(state.db_timeout, insert).await {
+        Ok(result) => result?,
+        Err(_) => return Err(IngestError::Unavailable("timed out")),
+    };
+    if outcome == InsertOutcome::Accepted {
+        state.wake_workers.notify_one();
     }
+    Ok(outcome)
 }
 
 /// Reads the body, refusing one over `limit` before reading it when Content-Length says so,

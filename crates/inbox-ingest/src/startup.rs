@@ -12,6 +12,7 @@ use anyhow::Context as _;
 use deadpool_postgres::Pool;
 use inbox_domain::db::{build_pool, check_reachable, PoolOptions};
 use inbox_domain::Verifier;
+use tokio::sync::Notify;
 
 use crate::configuration::Settings;
 use crate::error::IngestError;
@@ -31,6 +32,26 @@ pub struct AppState {
     /// Bound on storing the event (503 past it).
     pub db_timeout: Duration,
     pub metrics: Metrics,
+    /// Raised after each new row; the notifier turns bursts of it into one NOTIFY.
+    pub wake_workers: Arc<Notify>,
+}
+
+/// Shortest gap between two NOTIFYs from one ingest process. A NOTIFY inside every insert
+/// transaction would take PostgreSQL's global notify lock at each commit and serialise them;
+/// instead one separate NOTIFY covers every row committed since the previous one.
+pub const NOTIFY_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Sends the coalesced wake-up NOTIFY until aborted.
+async fn notify_workers(pool: Pool, wake: Arc<Notify>) {
+    loop {
+        wake.notified().await;
+        if let Ok(client) = pool.get().await {
+            if let Err(e) = client.batch_execute(inbox_domain::store::NOTIFY_SQL).await {
+                tracing::debug!(error = %e, "wake-up NOTIFY failed (workers fall back to polling)");
+            }
+        }
+        tokio::time::sleep(NOTIFY_INTERVAL).await;
+    }
 }
 
 /// A built service, bound to its listener, ready to run.
@@ -38,6 +59,7 @@ pub struct Application {
     port: u16,
     server: Server,
     pool: Pool,
+    notifier: tokio::task::JoinHandle<()>,
 }
 
 /// How long in-flight requests may take to finish after a stop signal.
@@ -65,7 +87,10 @@ impl Application {
         check_reachable(&pool).await?;
 
         let port = listener.local_addr().context("reading the listener's address")?.port();
+        let wake_workers = Arc::new(Notify::new());
+        let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
         let state = web::Data::new(AppState {
+            wake_workers,
             endpoints: Arc::new(endpoints),
             pool: pool.clone(),
             max_body: settings.max_body,
@@ -96,7 +121,7 @@ impl Application {
         if !settings.handle_signals {
             server = server.disable_signals();
         }
-        Ok(Application { port, server: server.run(), pool })
+        Ok(Application { port, server: server.run(), pool, notifier })
     }
 
     pub fn port(&self) -> u16 {
@@ -112,6 +137,7 @@ impl Application {
     /// in-flight requests were answered.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let result = self.server.await;
+        self.notifier.abort();
         self.pool.close();
         result
     }

@@ -1,0 +1,157 @@
+//! Prometheus metrics of the worker, on an explicit registry, served on `--metrics-listen`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::{web, App, HttpResponse, HttpServer};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+/// Handles to every worker metric; cloning shares the series.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    events: Family<OutcomeLabel, Counter>,
+    pub processing_seconds: Histogram,
+    pub receive_to_processed_seconds: Histogram,
+    pub claim_batch_size: Histogram,
+    pub in_flight: Gauge,
+    pub unprocessed: Gauge,
+    pub ready: Gauge,
+    pub needs_review: Gauge,
+    pub oldest_unprocessed_age_seconds: Gauge<f64, AtomicU64>,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let events = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "inbox_worker_events",
+            "Events finished by this worker, by outcome (processed, ignored, failed, parked, already_processed, handed_back)",
+            events.clone(),
+        );
+        let processing_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        registry.register(
+            "inbox_worker_processing_seconds",
+            "Time to run one event's process transaction",
+            processing_seconds.clone(),
+        );
+        let receive_to_processed_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        registry.register(
+            "inbox_worker_receive_to_processed_seconds",
+            "Time from the ingest's commit (received_at) to processed_at",
+            receive_to_processed_seconds.clone(),
+        );
+        let claim_batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 10));
+        registry.register(
+            "inbox_worker_claim_batch_size",
+            "Rows returned by each claim",
+            claim_batch_size.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "inbox_worker_in_flight",
+            "Events being processed by this worker",
+            in_flight.clone(),
+        );
+        let unprocessed = Gauge::default();
+        registry.register(
+            "inbox_unprocessed",
+            "Inbox rows not yet processed (parked included)",
+            unprocessed.clone(),
+        );
+        let ready = Gauge::default();
+        registry.register("inbox_ready", "Inbox rows a worker may claim now", ready.clone());
+        let needs_review = Gauge::default();
+        registry.register(
+            "inbox_needs_review",
+            "Parked rows: attempts at the limit, waiting for requeue",
+            needs_review.clone(),
+        );
+        let oldest_unprocessed_age_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "inbox_oldest_unprocessed_age_seconds",
+            "Age of the oldest unprocessed row (0 when none)",
+            oldest_unprocessed_age_seconds.clone(),
+        );
+        Metrics {
+            registry: Arc::new(registry),
+            events,
+            processing_seconds,
+            receive_to_processed_seconds,
+            claim_batch_size,
+            in_flight,
+            unprocessed,
+            ready,
+            needs_review,
+            oldest_unprocessed_age_seconds,
+        }
+    }
+
+    pub fn event(&self, outcome: &'static str) {
+        self.events.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Serves `GET /metrics` and `GET /healthz` on `address` until the returned handle stops it.
+pub fn serve(
+    address: SocketAddr,
+    metrics: Metrics,
+) -> anyhow::Result<(actix_web::dev::ServerHandle, SocketAddr)> {
+    let listener = std::net::TcpListener::bind(address)?;
+    let bound = listener.local_addr()?;
+    let server = HttpServer::new(move || {
+        let metrics = metrics.clone();
+        App::new()
+            .route(
+                "/metrics",
+                web::get().to(move || {
+                    let body = metrics.render();
+                    async move {
+                        HttpResponse::Ok()
+                            .content_type("application/openmetrics-text; version=1.0.0; charset=utf-8")
+                            .body(body)
+                    }
+                }),
+            )
+            .route(
+                "/healthz",
+                web::get().to(|| async { HttpResponse::Ok().json(serde_json::json!({"status":"ok"})) }),
+            )
+    })
+    .workers(1)
+    .disable_signals()
+    .shutdown_timeout(1)
+    .listen(listener)?
+    .run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    Ok((handle, bound))
+}
+
+/// How often the queue gauges are refreshed from the database.
+pub const GAUGE_INTERVAL: Duration = Duration::from_secs(5);

@@ -1,0 +1,168 @@
+//! The producer: claims ready rows (transaction 1) as capacity frees up, and hands each to an
+//! executor task. It stops claiming the moment shutdown starts.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use deadpool_postgres::Pool;
+use inbox_domain::handlers::Registry;
+use inbox_domain::store::{self, Claimed};
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use crate::completer::{self, FailureRecord};
+use crate::executor::{self, Conn, Limits, Outcome};
+use crate::metrics::Metrics;
+
+/// What every event task shares.
+pub struct Context {
+    pub pool: Pool,
+    pub registry: Registry,
+    pub limits: Limits,
+    pub max_attempts: i32,
+    pub lease: Duration,
+    pub metrics: Metrics,
+    /// Cancelled at the first stop signal: no new claims, unstarted rows are handed back.
+    pub shutdown: CancellationToken,
+}
+
+/// Claims and dispatches until shutdown; returns the tasks still in flight.
+pub async fn run(
+    ctx: Arc<Context>,
+    concurrency: usize,
+    batch_size: usize,
+    poll_interval: Duration,
+    wake: Arc<Notify>,
+) -> JoinSet<()> {
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = JoinSet::new();
+    let mut retry_delay = poll_interval.min(Duration::from_millis(500));
+    loop {
+        while let Some(done) = tasks.try_join_next() {
+            if let Err(e) = done {
+                tracing::error!(error = %e, "event task ended abnormally");
+            }
+        }
+        if ctx.shutdown.is_cancelled() {
+            break;
+        }
+        let free = slots.available_permits();
+        if free == 0 {
+            tokio::select! {
+                _ = ctx.shutdown.cancelled() => break,
+                permit = slots.clone().acquire_owned() => drop(permit),
+            }
+            continue;
+        }
+        let want = free.min(batch_size);
+        let claimed = match claim(&ctx, want).await {
+            Ok(rows) => {
+                retry_delay = poll_interval.min(Duration::from_millis(500));
+                rows
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "claim failed; retrying");
+                tokio::select! {
+                    _ = ctx.shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(retry_delay) => {}
+                }
+                retry_delay = (retry_delay * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        ctx.metrics.claim_batch_size.observe(claimed.len() as f64);
+        let full = claimed.len() == want;
+        for row in claimed {
+            let permit = slots.clone().try_acquire_owned().expect("claimed no more rows than free slots");
+            let ctx = ctx.clone();
+            tasks.spawn(async move {
+                process_one(&ctx, row).await;
+                drop(permit);
+            });
+        }
+        if full {
+            continue; // More may be ready: claim again as soon as a slot frees.
+        }
+        tokio::select! {
+            _ = ctx.shutdown.cancelled() => break,
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep(poll_interval) => {}
+        }
+    }
+    tasks
+}
+
+async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
+    let mut conn = Conn::get(&ctx.pool).await?;
+    let rows = store::claim(&*conn.client(), ctx.max_attempts, want as i64, ctx.lease)
+        .await
+        .map_err(|e| inbox_domain::handlers::describe_db_error(&e))?;
+    conn.set_clean(true);
+    Ok(rows)
+}
+
+/// Runs one claimed row: hands it back if shutdown began before it started, else executes it
+/// and records the outcome.
+async fn process_one(ctx: &Context, claimed: Claimed) {
+    let key = &claimed.key;
+    let span = tracing::info_span!(
+        "event",
+        provider = %key.provider,
+        endpoint = %key.endpoint,
+        event_id = %key.event_id,
+        event_type = %claimed.event_type,
+        attempt = claimed.attempts,
+    );
+    async {
+        let mut conn = match Conn::get(&ctx.pool).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "no connection for a claimed row; it is retried after its lease");
+                return;
+            }
+        };
+        if ctx.shutdown.is_cancelled() {
+            conn.set_clean(true);
+            drop(conn);
+            if completer::hand_back(&ctx.pool, std::slice::from_ref(&claimed)).await == 1 {
+                ctx.metrics.event("handed_back");
+                tracing::info!(outcome = "handed_back", "claimed row handed back at shutdown");
+            }
+            return;
+        }
+        ctx.metrics.in_flight.inc();
+        let started = Instant::now();
+        let outcome = executor::execute(&mut conn, &ctx.registry, &claimed, &ctx.limits).await;
+        ctx.metrics.processing_seconds.observe(started.elapsed().as_secs_f64());
+        ctx.metrics.in_flight.dec();
+        match outcome {
+            Outcome::Processed | Outcome::Ignored => {
+                let waited = SystemTime::now().duration_since(claimed.received_at).unwrap_or_default();
+                ctx.metrics.receive_to_processed_seconds.observe(waited.as_secs_f64());
+                ctx.metrics.event(outcome.label());
+                tracing::info!(outcome = outcome.label(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "event done");
+            }
+            Outcome::AlreadyProcessed => {
+                ctx.metrics.event(outcome.label());
+                tracing::info!(outcome = outcome.label(), "event already processed by another worker");
+            }
+            Outcome::Failed(error) => {
+                let record = completer::record_failure(&ctx.pool, Some(conn), &claimed, &error, ctx.max_attempts).await;
+                let label = match record {
+                    FailureRecord::Parked => "parked",
+                    _ => "failed",
+                };
+                ctx.metrics.event(label);
+                if record == FailureRecord::Parked {
+                    tracing::warn!(outcome = label, %error, "event failed at the attempt limit: parked for review");
+                } else {
+                    tracing::warn!(outcome = label, %error, record = ?record, "event failed");
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}

@@ -1,0 +1,230 @@
+//! `inbox-worker run`: wires the producer, executors, completer, wake-up listener, metrics and
+//! the shutdown signal.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use inbox_domain::db::{build_pool, check_reachable, PoolOptions};
+use inbox_domain::handlers::Registry;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::RunArgs;
+use crate::executor::Limits;
+use crate::metrics::{self, Metrics};
+use crate::producer::{self, Context};
+
+/// Validated settings of `run`.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The inbox database (its Debug output redacts the password).
+    pub database: tokio_postgres::Config,
+    pub max_attempts: i32,
+    /// Events in flight at once.
+    pub concurrency: usize,
+    /// Rows per claim at most (never more than the free slots).
+    pub batch_size: usize,
+    pub lease: Duration,
+    pub limits: Limits,
+    pub poll_interval: Duration,
+    pub metrics_listen: Option<SocketAddr>,
+    pub shutdown_timeout: Duration,
+}
+
+impl Settings {
+    /// Checks the flags; refuses a statement timeout that is not well under the lease (a
+    /// handler still running when its lease expires would race the next claimer for the row).
+    pub fn from_args(
+        database: tokio_postgres::Config,
+        max_attempts: i32,
+        args: &RunArgs,
+    ) -> anyhow::Result<Self> {
+        if args.statement_timeout.is_zero() || args.lease.is_zero() {
+            anyhow::bail!("--statement-timeout and --lease must be above 0");
+        }
+        if args.statement_timeout * 2 > args.lease {
+            anyhow::bail!(
+                "--statement-timeout ({}) must be at most half of --lease ({})",
+                humantime::format_duration(args.statement_timeout),
+                humantime::format_duration(args.lease)
+            );
+        }
+        if args.poll_interval.is_zero() {
+            anyhow::bail!("--poll-interval must be above 0");
+        }
+        let concurrency = args.concurrency as usize;
+        Ok(Settings {
+            database,
+            max_attempts,
+            concurrency,
+            batch_size: concurrency,
+            lease: args.lease,
+            limits: Limits {
+                statement_timeout: args.statement_timeout,
+                lock_timeout: args.statement_timeout / 2,
+                idle_timeout: args.statement_timeout,
+                deadline: args.lease * 3 / 4,
+            },
+            poll_interval: args.poll_interval,
+            metrics_listen: args.metrics_listen,
+            shutdown_timeout: args.shutdown_timeout,
+        })
+    }
+}
+
+/// A token cancelled at the first SIGTERM/SIGINT; a second signal exits at once (the leases of
+/// rows in flight then expire and other workers take them).
+pub fn os_signals() -> CancellationToken {
+    let token = CancellationToken::new();
+    let first = token.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("stop signal: no new claims, finishing events in flight (signal again to exit now)");
+        first.cancel();
+        wait_for_signal().await;
+        tracing::warn!("second stop signal: exiting now; leases of events in flight will expire");
+        std::process::exit(130);
+    });
+    token
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+        else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Processes until `shutdown` is cancelled, then drains.
+pub async fn run(settings: Settings, registry: Registry, shutdown: CancellationToken) -> anyhow::Result<()> {
+    run_with(settings, registry, shutdown, |_| async {}).await
+}
+
+/// [`run`], calling `ready` with the metrics address once everything started (for tests).
+pub async fn run_with<F, Fut>(
+    settings: Settings,
+    registry: Registry,
+    shutdown: CancellationToken,
+    ready: F,
+) -> anyhow::Result<()>
+where
+    F: FnOnce(Option<SocketAddr>) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let pool = build_pool(
+        settings.database.clone(),
+        &PoolOptions {
+            // One per event in flight, plus claims, failure records and gauges.
+            max_size: settings.concurrency + 2,
+            timeout: settings.limits.statement_timeout.max(Duration::from_secs(5)),
+            application_name: "inbox-worker",
+            statement_timeout: None,
+        },
+    )?;
+    check_reachable(&pool).await?;
+
+    let metrics = Metrics::new();
+    let metrics_server = match settings.metrics_listen {
+        Some(address) => {
+            let (handle, bound) = metrics::serve(address, metrics.clone())
+                .with_context(|| format!("serving metrics on {address}"))?;
+            Some((handle, bound))
+        }
+        None => None,
+    };
+    let background = CancellationToken::new();
+    if metrics_server.is_some() {
+        tokio::spawn(refresh_gauges(
+            pool.clone(),
+            settings.max_attempts,
+            metrics.clone(),
+            background.clone(),
+        ));
+    }
+    let wake = Arc::new(Notify::new());
+    tokio::spawn(crate::listener::run(settings.database.clone(), wake.clone(), background.clone()));
+
+    tracing::info!(
+        concurrency = settings.concurrency,
+        max_attempts = settings.max_attempts,
+        lease_s = settings.lease.as_secs_f64(),
+        statement_timeout_s = settings.limits.statement_timeout.as_secs_f64(),
+        metrics = ?metrics_server.as_ref().map(|(_, a)| a.to_string()),
+        "inbox-worker running"
+    );
+    ready(metrics_server.as_ref().map(|(_, a)| *a)).await;
+
+    let ctx = Arc::new(Context {
+        pool: pool.clone(),
+        registry,
+        limits: settings.limits,
+        max_attempts: settings.max_attempts,
+        lease: settings.lease,
+        metrics,
+        shutdown: shutdown.clone(),
+    });
+    let mut in_flight =
+        producer::run(ctx, settings.concurrency, settings.batch_size, settings.poll_interval, wake).await;
+
+    let pending = in_flight.len();
+    tracing::info!(in_flight = pending, "stopped claiming; draining");
+    let drained = tokio::time::timeout(settings.shutdown_timeout, async {
+        while in_flight.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            still_running = in_flight.len(),
+            "shutdown timeout reached: abandoning events in flight (rolled back; retried after their lease)"
+        );
+        in_flight.abort_all();
+        while in_flight.join_next().await.is_some() {}
+    }
+    background.cancel();
+    if let Some((handle, _)) = metrics_server {
+        handle.stop(true).await;
+    }
+    pool.close();
+    tracing::info!("inbox-worker stopped");
+    Ok(())
+}
+
+async fn refresh_gauges(
+    pool: deadpool_postgres::Pool,
+    max_attempts: i32,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    loop {
+        if let Ok(client) = pool.get().await {
+            match crate::ops::queue_gauges(&**client, max_attempts).await {
+                Ok(g) => {
+                    metrics.unprocessed.set(g.unprocessed);
+                    metrics.ready.set(g.ready);
+                    metrics.needs_review.set(g.needs_review);
+                    metrics.oldest_unprocessed_age_seconds.set(g.oldest_unprocessed_age_seconds);
+                }
+                Err(e) => tracing::debug!(error = %e, "refreshing queue gauges failed"),
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(metrics::GAUGE_INTERVAL) => {}
+        }
+    }
+}
