@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# run.sh: migrate, then run inbox-ingest (and inbox-worker once it exists) in the foreground
+# run.sh: migrate, then run inbox-ingest and inbox-worker in the foreground
 # until Ctrl-C. Expects DATABASE_URL (see with-db.sh) and the release binaries.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,9 +20,7 @@ export INBOX_ENDPOINTS
 pids=()
 trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait; exit 0' INT TERM
 "$bin/inbox-ingest" & pids+=($!)
-if "$bin/inbox-worker" --help 2>/dev/null | grep -q '^  run '; then
-    "$bin/inbox-worker" run & pids+=($!)
-fi
+"$bin/inbox-worker" run & pids+=($!)
 sleep 1
 endpoint=${INBOX_ENDPOINTS%%=*}
 cat <<INFO

@@ -9,6 +9,7 @@ pub mod db;
 pub mod events;
 pub mod process;
 pub mod proxy;
+pub mod worker;
 
 pub use app::{spawn_app, spawn_app_with, TestApp};
 pub use db::TestDb;

@@ -39,6 +39,7 @@ pub fn command(name: &str) -> Command {
 pub struct Proc {
     pub child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    stdout: Arc<Mutex<Vec<String>>>,
     rx: mpsc::Receiver<String>,
 }
 
@@ -47,21 +48,25 @@ impl Proc {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         let mut child = cmd.spawn().expect("starting the binary");
         let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let stdout: Arc<Mutex<Vec<String>>> = Arc::default();
         let (tx, rx) = mpsc::channel();
-        for stream in [
-            Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stdout.take().unwrap()),
+        for (stream, own) in [
+            (Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>, None),
+            (Box::new(child.stdout.take().unwrap()), Some(stdout.clone())),
         ] {
             let lines = lines.clone();
             let tx = tx.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
                     lines.lock().unwrap().push(line.clone());
+                    if let Some(own) = &own {
+                        own.lock().unwrap().push(line.clone());
+                    }
                     let _ = tx.send(line);
                 }
             });
         }
-        Proc { child, lines, rx }
+        Proc { child, lines, stdout, rx }
     }
 
     /// Waits for an output line containing `needle` and returns it.
@@ -79,9 +84,14 @@ impl Proc {
         }
     }
 
-    /// Everything printed so far.
+    /// Everything printed so far (stdout and stderr).
     pub fn output(&self) -> String {
         self.lines.lock().unwrap().join("\n")
+    }
+
+    /// What was printed on stdout only.
+    pub fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().join("\n")
     }
 
     pub fn signal(&self, signal: i32) {
@@ -122,11 +132,14 @@ pub fn kill(pid: i32, signal: i32) -> i32 {
 }
 
 /// Runs a binary to completion and returns (exit code, stdout + stderr).
-pub fn run(mut cmd: Command, timeout: Duration) -> (i32, String) {
-    let mut p = Proc::spawn({
-        cmd.stdin(Stdio::null());
-        cmd
-    });
+pub fn run(cmd: Command, timeout: Duration) -> (i32, String) {
+    let (code, _, output) = run_split(cmd, timeout);
+    (code, output)
+}
+
+/// Runs a binary to completion and returns (exit code, stdout, stdout + stderr).
+pub fn run_split(cmd: Command, timeout: Duration) -> (i32, String, String) {
+    let mut p = Proc::spawn(cmd);
     let status = p.wait(timeout);
-    (status.code().unwrap_or(-1), p.output())
+    (status.code().unwrap_or(-1), p.stdout(), p.output())
 }

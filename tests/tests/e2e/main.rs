@@ -1,7 +1,12 @@
 //! End-to-end tests: real PostgreSQL (a database per test), real HTTP, the built binaries.
 //! One test binary, so the workspace links it once.
 
+mod broken_orderings;
 mod ingest_faults;
 mod ingest_http;
 mod ingest_process;
+mod invoice_order;
 mod migrate;
+mod operator;
+mod worker_process;
+mod worker_semantics;
