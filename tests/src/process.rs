@@ -143,3 +143,27 @@ pub fn run_split(cmd: Command, timeout: Duration) -> (i32, String, String) {
     let status = p.wait(timeout);
     (status.code().unwrap_or(-1), p.stdout(), p.output())
 }
+
+/// Starts `inbox-ingest` (with `INBOX_LISTEN=127.0.0.1:0`) and returns it with its base URL,
+/// read from its "serving" log line.
+pub fn start_ingest(cmd: Command) -> (Proc, String) {
+    let proc = Proc::spawn(cmd);
+    let line = proc.wait_for_line("inbox-ingest serving", Duration::from_secs(30));
+    let log: serde_json::Value = serde_json::from_str(&line).expect("json log line");
+    let listen = log["listen"].as_str().expect("listen field").to_owned();
+    (proc, format!("http://{listen}"))
+}
+
+/// A process's resident set size and its peak, in KiB (from /proc/<pid>/status).
+pub fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading /proc status");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}

@@ -12,6 +12,8 @@ pub enum IngestError {
     UnknownEndpoint,
     #[error("body larger than the limit")]
     TooLarge,
+    #[error("request headers larger than 8 KiB")]
+    HeadersTooLarge,
     #[error("body not received in time")]
     BodyTimeout,
     #[error("body could not be read")]
@@ -33,6 +35,7 @@ impl IngestError {
         match self {
             IngestError::UnknownEndpoint => "unknown_endpoint",
             IngestError::TooLarge => "too_large",
+            IngestError::HeadersTooLarge => "headers_too_large",
             IngestError::BodyTimeout => "body_timeout",
             IngestError::BodyRead => "body_read_error",
             IngestError::BadSignature(_) => "bad_signature",
@@ -47,6 +50,7 @@ impl ResponseError for IngestError {
         match self {
             IngestError::UnknownEndpoint => StatusCode::NOT_FOUND,
             IngestError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            IngestError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             IngestError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             IngestError::BodyRead
             | IngestError::BadSignature(_)

@@ -103,7 +103,13 @@ pub async fn execute(conn: &mut Conn, registry: &Registry, claimed: &Claimed, li
             conn.set_clean(true);
             outcome
         }
-        Ok(Err(message)) => Outcome::Failed(message),
+        Ok(Err(e)) if e.is_closed() => Outcome::Failed(format!(
+            "the database closed the connection mid-transaction (idle in transaction over the {} ms \
+             idle_in_transaction_session_timeout, a restart, or a terminated backend): {}",
+            limits.idle_timeout.as_millis(),
+            describe_db_error(&e)
+        )),
+        Ok(Err(e)) => Outcome::Failed(describe_db_error(&e)),
         Err(_) => Outcome::Failed(format!("processing took longer than {:?}", limits.deadline)),
     }
 }
@@ -113,22 +119,19 @@ async fn run_transaction(
     registry: &Registry,
     claimed: &Claimed,
     limits: &Limits,
-) -> Result<Outcome, String> {
-    let db = |e: tokio_postgres::Error| describe_db_error(&e);
+) -> Result<Outcome, tokio_postgres::Error> {
     let key = &claimed.key;
     let client = conn.client();
-    let tx = client.transaction().await.map_err(db)?;
-    let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await.map_err(db)?;
+    let tx = client.transaction().await?;
+    let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await?;
     tx.execute(
         &limits_stmt,
         &[&millis(limits.statement_timeout), &millis(limits.lock_timeout), &millis(limits.idle_timeout)],
     )
-    .await
-    .map_err(db)?;
-    let lock = tx.prepare_cached(store::LOCK_FOR_PROCESSING_SQL).await.map_err(db)?;
-    let Some(row) = tx.query_opt(&lock, &[&key.provider, &key.endpoint, &key.event_id]).await.map_err(db)?
-    else {
-        tx.rollback().await.map_err(db)?;
+    .await?;
+    let lock = tx.prepare_cached(store::LOCK_FOR_PROCESSING_SQL).await?;
+    let Some(row) = tx.query_opt(&lock, &[&key.provider, &key.endpoint, &key.event_id]).await? else {
+        tx.rollback().await?;
         return Ok(Outcome::AlreadyProcessed);
     };
     let event = InboxEvent {
@@ -143,7 +146,7 @@ async fn run_transaction(
         Some(handler) => match AssertUnwindSafe(handler(&tx, &event)).catch_unwind().await {
             Ok(Ok(())) => Outcome::Processed,
             Ok(Err(e)) => {
-                tx.rollback().await.map_err(db)?;
+                tx.rollback().await?;
                 return Ok(Outcome::Failed(e.to_string()));
             }
             Err(panic) => {
@@ -152,13 +155,13 @@ async fn run_transaction(
                     .map(|s| (*s).to_owned())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "non-string panic payload".to_owned());
-                tx.rollback().await.map_err(db)?;
+                tx.rollback().await?;
                 return Ok(Outcome::Failed(format!("handler panicked: {message}")));
             }
         },
     };
-    let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await.map_err(db)?;
-    tx.execute(&mark, &[&key.provider, &key.endpoint, &key.event_id]).await.map_err(db)?;
-    tx.commit().await.map_err(db)?;
+    let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
+    tx.execute(&mark, &[&key.provider, &key.endpoint, &key.event_id]).await?;
+    tx.commit().await?;
     Ok(outcome)
 }

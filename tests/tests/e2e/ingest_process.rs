@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use inbox_tests::events::{invoice_paid, sign, SECRET_A};
-use inbox_tests::process::{command, run, Proc};
+use inbox_tests::process::{command, run, start_ingest as start};
 use inbox_tests::TestDb;
 
 const DB_PASSWORD: &str = "db-password-never-printed";
@@ -64,15 +64,6 @@ fn help_does_not_show_secrets_from_the_environment() {
     assert_eq!(code, 0);
     assert!(output.contains("--endpoint"), "{output}");
     assert!(!output.contains(SECRET_A) && !output.contains(DB_PASSWORD), "{output}");
-}
-
-/// Starts the binary and returns it with its base URL (read from its start-up log line).
-fn start(cmd: std::process::Command) -> (Proc, String) {
-    let proc = Proc::spawn(cmd);
-    let line = proc.wait_for_line("inbox-ingest serving", Duration::from_secs(30));
-    let log: serde_json::Value = serde_json::from_str(&line).expect("json log line");
-    let listen = log["listen"].as_str().expect("listen field").to_owned();
-    (proc, format!("http://{listen}"))
 }
 
 #[tokio::test]

@@ -1,7 +1,9 @@
 //! End-to-end tests: real PostgreSQL (a database per test), real HTTP, the built binaries.
 //! One test binary, so the workspace links it once.
 
+mod bad_input;
 mod broken_orderings;
+mod hygiene;
 mod ingest_faults;
 mod ingest_http;
 mod ingest_process;
