@@ -124,3 +124,26 @@ pub async fn raw_request(address: &str, request: &[u8]) -> String {
     }
     String::from_utf8_lossy(&response).lines().next().unwrap_or_default().to_owned()
 }
+
+/// Sends `requests` (endpoint, Stripe-Signature, body) at once: one thread and one connection
+/// each, lined up on a barrier. Returns the replies in order.
+pub fn concurrent_posts(address: &str, requests: Vec<(String, String, Vec<u8>)>) -> Vec<Reply> {
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(requests.len()));
+    let threads: Vec<_> = requests
+        .into_iter()
+        .map(|(endpoint, signature, body)| {
+            let barrier = barrier.clone();
+            let url = format!("{address}/webhooks/stripe/{endpoint}");
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(async {
+                    let client = http_client();
+                    let request = client.post(&url).header("Stripe-Signature", signature).body(body);
+                    barrier.wait();
+                    reply(request.send().await.unwrap()).await
+                })
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}

@@ -3,22 +3,34 @@
 
 use deadpool_postgres::GenericClient;
 
-use crate::event::{EventHead, JsonBytes};
+use crate::event::JsonBytes;
 
-/// Stores a verified event as an unprocessed row, unless the same (provider, endpoint, event_id)
-/// is already stored. Runs as one autocommit statement: when it returns, the row (or the proof it
-/// existed) is committed, which is what makes answering 2xx afterwards safe.
+/// Stores verified events as unprocessed rows, unless the same (provider, endpoint, event_id) is
+/// already stored: one statement for a whole batch of concurrent requests (group commit). Runs in
+/// autocommit: when it returns, every row (or the proof it existed) is committed, which is what
+/// makes answering 2xx afterwards safe. The caller sends each key at most once per batch.
 ///
-/// A concurrent insert of the same key waits on the primary key for the first one's outcome:
-/// if it commits, this one is a duplicate; if it rolls back, this one inserts.
+/// A concurrent insert of the same key by another batch waits on the primary key for the first
+/// one's outcome: if it commits, this one skips the row; if it rolls back, this one inserts it.
 ///
-/// Parameters: provider, endpoint, event_id, event_type, payload (jsonb).
-/// Returns one row when the event is new, none when it is a duplicate.
-pub const INSERT_EVENT_SQL: &str = "\
+/// Parameters: provider, then one array per column: endpoints, event ids, event types, payloads.
+/// Returns the (endpoint, event_id) of the rows inserted; the others were duplicates.
+pub const INSERT_EVENTS_SQL: &str = "\
 INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
-VALUES ($1, $2, $3, $4, $5)
+SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload
+  FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[]) AS e(endpoint, event_id, event_type, payload)
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
-RETURNING 1";
+RETURNING endpoint, event_id";
+
+/// One event to store.
+#[derive(Debug, Clone, Copy)]
+pub struct NewEvent<'a> {
+    pub endpoint: &'a str,
+    pub event_id: &'a str,
+    pub event_type: &'a str,
+    /// The verified body, stored as `jsonb`.
+    pub payload: &'a [u8],
+}
 
 /// Whether an insert stored a new row or found the event already there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,22 +48,20 @@ impl InsertOutcome {
     }
 }
 
-/// Runs [`INSERT_EVENT_SQL`] (prepared once per connection and cached).
-pub async fn insert_event<C: GenericClient + Sync>(
+/// Runs [`INSERT_EVENTS_SQL`] (prepared once per connection and cached); returns the keys
+/// (endpoint, event_id) that were inserted.
+pub async fn insert_events<C: GenericClient + Sync>(
     client: &C,
     provider: &str,
-    endpoint: &str,
-    head: &EventHead<'_>,
-    payload: &[u8],
-) -> Result<InsertOutcome, tokio_postgres::Error> {
-    let stmt = client.prepare_cached(INSERT_EVENT_SQL).await?;
-    let rows = client
-        .query(
-            &stmt,
-            &[&provider, &endpoint, &head.id.as_ref(), &head.event_type.as_ref(), &JsonBytes(payload)],
-        )
-        .await?;
-    Ok(if rows.is_empty() { InsertOutcome::Duplicate } else { InsertOutcome::Accepted })
+    events: &[NewEvent<'_>],
+) -> Result<Vec<(String, String)>, tokio_postgres::Error> {
+    let endpoints: Vec<&str> = events.iter().map(|e| e.endpoint).collect();
+    let ids: Vec<&str> = events.iter().map(|e| e.event_id).collect();
+    let types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
+    let payloads: Vec<JsonBytes<'_>> = events.iter().map(|e| JsonBytes(e.payload)).collect();
+    let stmt = client.prepare_cached(INSERT_EVENTS_SQL).await?;
+    let rows = client.query(&stmt, &[&provider, &endpoints, &ids, &types, &payloads]).await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
 /// The identity of an inbox row.

@@ -6,7 +6,7 @@ use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use inbox_domain::{EventHeadError, SignatureError};
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum IngestError {
     #[error("unknown endpoint")]
     UnknownEndpoint,

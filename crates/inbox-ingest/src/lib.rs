@@ -3,6 +3,7 @@
 //! A request is answered 200 only once its row (or the proof it already existed) is committed;
 //! anything unverified is refused before it reaches the database.
 
+pub mod batcher;
 pub mod configuration;
 pub mod error;
 pub mod metrics;

@@ -37,6 +37,7 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     duration: Family<OutcomeLabel, Histogram>,
     signature_failures: Family<SignatureLabels, Counter>,
+    batch_size: Histogram,
 }
 
 fn latency_histogram() -> Histogram {
@@ -66,12 +67,23 @@ impl Metrics {
             "Requests refused by signature verification, by endpoint and reason",
             signature_failures.clone(),
         );
-        Metrics { registry: Arc::new(registry), requests, duration, signature_failures }
+        let batch_size =
+            Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1.0, 2.0, 9));
+        registry.register(
+            "inbox_ingest_batch_size",
+            "Requests written by each group-commit INSERT",
+            batch_size.clone(),
+        );
+        Metrics { registry: Arc::new(registry), requests, duration, signature_failures, batch_size }
     }
 
     pub fn record(&self, endpoint: &str, outcome: &'static str, elapsed: Duration) {
         self.requests.get_or_create(&RequestLabels { endpoint: endpoint.to_owned(), outcome }).inc();
         self.duration.get_or_create(&OutcomeLabel { outcome }).observe(elapsed.as_secs_f64());
+    }
+
+    pub fn batch(&self, size: usize) {
+        self.batch_size.observe(size as f64);
     }
 
     pub fn signature_failure(&self, endpoint: &str, reason: &'static str) {

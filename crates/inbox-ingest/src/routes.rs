@@ -5,9 +5,8 @@ use std::time::{Duration, Instant};
 use actix_web::http::header::{HeaderMap, CONTENT_LENGTH};
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
-use inbox_domain::store::{self, InsertOutcome};
+use inbox_domain::store::InsertOutcome;
 use inbox_domain::{EventHead, PROVIDER_STRIPE};
-use tokio_postgres::error::SqlState;
 use tracing::Instrument as _;
 
 use crate::error::IngestError;
@@ -100,14 +99,8 @@ async fn receive(
     span.record("event_id", head.id.as_ref());
     span.record("event_type", head.event_type.as_ref());
 
-    let insert = async {
-        let client = state.pool.get().await.map_err(|e| {
-            tracing::debug!(error = %inbox_domain::db::describe_pool_error(&e), "no database connection");
-            IngestError::Unavailable("no connection")
-        })?;
-        store::insert_event(&client, PROVIDER_STRIPE, endpoint, &head, &body).await.map_err(classify_db_error)
-    };
-    let outcome = match tokio::time::timeout(state.db_timeout, insert).await {
+    let stored = state.batcher.insert(endpoint, &head.id, &head.event_type, body.clone());
+    let outcome = match tokio::time::timeout(state.db_timeout, stored).await {
         Ok(result) => result?,
         Err(_) => return Err(IngestError::Unavailable("timed out")),
     };
@@ -138,24 +131,6 @@ async fn read_body(
         Ok(Err(_limit_exceeded)) => Err(IngestError::TooLarge),
         Ok(Ok(Err(_read_error))) => Err(IngestError::BodyRead),
         Ok(Ok(Ok(body))) => Ok(body),
-    }
-}
-
-/// Database errors: a data exception (class 22, e.g. a `\u0000` that `jsonb` refuses) will fail
-/// the same way on every retry, so it is the sender's problem (400); anything else may pass on a
-/// retry (503), including a connection lost during the commit, whose outcome is unknown: the
-/// redelivery then meets `ON CONFLICT` and is answered as a duplicate.
-fn classify_db_error(e: tokio_postgres::Error) -> IngestError {
-    match e.code() {
-        Some(code) if code.code().starts_with("22") => {
-            tracing::warn!(sqlstate = code.code(), "payload refused by the database");
-            IngestError::PayloadRefused
-        }
-        Some(code) if *code == SqlState::QUERY_CANCELED => IngestError::Unavailable("statement timeout"),
-        _ => {
-            tracing::warn!(error = %e, "insert failed");
-            IngestError::Unavailable("database error")
-        }
     }
 }
 

@@ -14,6 +14,7 @@ use inbox_domain::db::{build_pool, check_reachable, PoolOptions};
 use inbox_domain::Verifier;
 use tokio::sync::Notify;
 
+use crate::batcher::Batcher;
 use crate::configuration::Settings;
 use crate::error::IngestError;
 use crate::metrics::Metrics;
@@ -32,6 +33,8 @@ pub struct AppState {
     /// Bound on storing the event (503 past it).
     pub db_timeout: Duration,
     pub metrics: Metrics,
+    /// Group-commit writers: every insert goes through them.
+    pub batcher: Batcher,
     /// Raised after each new row; the notifier turns bursts of it into one NOTIFY.
     pub wake_workers: Arc<Notify>,
 }
@@ -87,6 +90,10 @@ impl Application {
         check_reachable(&pool).await?;
 
         let port = listener.local_addr().context("reading the listener's address")?.port();
+        let metrics = Metrics::new();
+        // Leave a couple of connections for readiness checks and the wake-up NOTIFY.
+        let writers = settings.pool_size.saturating_sub(2).max(1);
+        let batcher = Batcher::start(pool.clone(), writers, settings.db_timeout, metrics.clone());
         let wake_workers = Arc::new(Notify::new());
         let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
         let state = web::Data::new(AppState {
@@ -96,7 +103,8 @@ impl Application {
             max_body: settings.max_body,
             body_timeout: settings.body_timeout,
             db_timeout: settings.db_timeout,
-            metrics: Metrics::new(),
+            metrics,
+            batcher,
         });
         let mut server = HttpServer::new(move || {
             App::new()

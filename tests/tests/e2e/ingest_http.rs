@@ -1,10 +1,8 @@
 //! Every row of DESIGN's HTTP table and every signature case of its "Bad input" list: the status
 //! code, the body, and what the inbox holds afterwards.
 
-use std::sync::{Arc, Barrier};
-
 use inbox_domain::signature::{compute_v1, sign_header};
-use inbox_tests::app::{http_client, reply};
+use inbox_tests::app::concurrent_posts;
 use inbox_tests::events::{invoice_paid, now, sign, SECRET_A, SECRET_B, SECRET_C};
 use inbox_tests::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_tests::{spawn_app, spawn_app_with, TestDb};
@@ -57,25 +55,8 @@ fn sixteen_concurrent_deliveries_make_one_row() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let app = rt.block_on(spawn_app());
     let body = invoice_paid("evt_race_1", "in_1", 4200);
-    let barrier = Arc::new(Barrier::new(16));
-    let url = format!("{}/webhooks/stripe/billing", app.address);
-    let threads: Vec<_> = (0..16)
-        .map(|_| {
-            let (barrier, body, url) = (barrier.clone(), body.clone(), url.clone());
-            std::thread::spawn(move || {
-                // One runtime, one client, one connection per thread.
-                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-                rt.block_on(async {
-                    let client = http_client();
-                    let request =
-                        client.post(&url).header("Stripe-Signature", sign(SECRET_A, &body)).body(body);
-                    barrier.wait();
-                    reply(request.send().await.unwrap()).await
-                })
-            })
-        })
-        .collect();
-    let replies: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let requests = (0..16).map(|_| ("billing".to_owned(), sign(SECRET_A, &body), body.clone())).collect();
+    let replies = concurrent_posts(&app.address, requests);
     assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
     let accepted = replies.iter().filter(|r| r.body["status"] == "accepted").count();
     assert_eq!(accepted, 1, "{replies:?}");

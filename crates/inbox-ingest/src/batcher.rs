@@ -1,0 +1,209 @@
+//! Group commit: concurrent webhook requests coalesced into one multi-row
+//! `INSERT … ON CONFLICT DO NOTHING RETURNING`, each answered only after that commit.
+//!
+//! Batching is "natural": a writer takes whatever requests are queued when it becomes free, so a
+//! lone request is written at once (no timer, no added latency) and under load the batches grow
+//! while the previous commits are in flight. `writers` batches are in flight at once (each holds
+//! one pooled connection). A failed batch answers 503 to each of its requests; a batch refused
+//! for its data (class 22, e.g. a `\u0000` that `jsonb` rejects) is retried one row at a time so
+//! only the offending request gets its 400.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::web::Bytes;
+use deadpool_postgres::Pool;
+use inbox_domain::store::{self, InsertOutcome, NewEvent};
+use inbox_domain::PROVIDER_STRIPE;
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio_postgres::error::SqlState;
+
+use crate::error::IngestError;
+use crate::metrics::Metrics;
+
+/// A verified event waiting for its batch.
+struct Pending {
+    endpoint: String,
+    event_id: String,
+    event_type: String,
+    payload: Bytes,
+    reply: oneshot::Sender<Result<InsertOutcome, IngestError>>,
+}
+
+/// The most requests written by one statement.
+pub const MAX_BATCH: usize = 256;
+
+/// Handle to the batch writers; cloning shares them.
+#[derive(Clone)]
+pub struct Batcher {
+    queue: mpsc::Sender<Pending>,
+}
+
+impl Batcher {
+    /// Starts `writers` writer tasks on the current runtime. They stop when every handle is dropped.
+    pub fn start(pool: Pool, writers: usize, db_timeout: Duration, metrics: Metrics) -> Batcher {
+        let (queue, rx) = mpsc::channel(MAX_BATCH * writers.max(1) * 4);
+        let rx = Arc::new(Mutex::new(rx));
+        for _ in 0..writers.max(1) {
+            tokio::spawn(writer(rx.clone(), pool.clone(), db_timeout, metrics.clone()));
+        }
+        Batcher { queue }
+    }
+
+    /// Stores one event; resolves once its batch committed (or failed).
+    pub async fn insert(
+        &self,
+        endpoint: &str,
+        event_id: &str,
+        event_type: &str,
+        payload: Bytes,
+    ) -> Result<InsertOutcome, IngestError> {
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            endpoint: endpoint.to_owned(),
+            event_id: event_id.to_owned(),
+            event_type: event_type.to_owned(),
+            payload,
+            reply,
+        };
+        self.queue.send(pending).await.map_err(|_| IngestError::Unavailable("shutting down"))?;
+        answer.await.map_err(|_| IngestError::Unavailable("writer stopped"))?
+    }
+}
+
+async fn writer(
+    queue: Arc<Mutex<mpsc::Receiver<Pending>>>,
+    pool: Pool,
+    db_timeout: Duration,
+    metrics: Metrics,
+) {
+    loop {
+        let batch = {
+            let mut rx = queue.lock().await;
+            let Some(first) = rx.recv().await else { return };
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(p) => batch.push(p),
+                    Err(_) => break,
+                }
+            }
+            batch
+        };
+        metrics.batch(batch.len());
+        write(&pool, db_timeout, batch).await;
+    }
+}
+
+/// Writes one batch and answers every request in it.
+async fn write(pool: &Pool, db_timeout: Duration, batch: Vec<Pending>) {
+    // One row per key: the first request of a key decides, the others are its duplicates.
+    let mut first_of: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut rows = Vec::with_capacity(batch.len());
+    for (i, p) in batch.iter().enumerate() {
+        if *first_of.entry((p.endpoint.as_str(), p.event_id.as_str())).or_insert(i) == i {
+            rows.push(NewEvent {
+                endpoint: &p.endpoint,
+                event_id: &p.event_id,
+                event_type: &p.event_type,
+                payload: &p.payload,
+            });
+        }
+    }
+    let result = insert(pool, db_timeout, &rows).await;
+    let answers: Vec<Result<InsertOutcome, IngestError>> = match result {
+        Ok(inserted) => batch
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let key = (p.endpoint.clone(), p.event_id.clone());
+                let first = first_of[&(p.endpoint.as_str(), p.event_id.as_str())] == i;
+                Ok(if first && inserted.contains(&key) {
+                    InsertOutcome::Accepted
+                } else {
+                    InsertOutcome::Duplicate
+                })
+            })
+            .collect(),
+        Err(BatchError::Data) if rows.len() > 1 => {
+            // One bad payload must not fail its neighbours: retry each row on its own.
+            let mut answers = Vec::with_capacity(batch.len());
+            for (i, p) in batch.iter().enumerate() {
+                let first = first_of[&(p.endpoint.as_str(), p.event_id.as_str())] == i;
+                let row = NewEvent {
+                    endpoint: &p.endpoint,
+                    event_id: &p.event_id,
+                    event_type: &p.event_type,
+                    payload: &p.payload,
+                };
+                answers.push(match insert(pool, db_timeout, std::slice::from_ref(&row)).await {
+                    Ok(inserted) if first && !inserted.is_empty() => Ok(InsertOutcome::Accepted),
+                    Ok(_) => Ok(InsertOutcome::Duplicate),
+                    Err(e) => Err(e.into()),
+                });
+            }
+            answers
+        }
+        Err(e) => {
+            let e: IngestError = e.into();
+            batch.iter().map(|_| Err(e.clone())).collect()
+        }
+    };
+    for (p, answer) in batch.into_iter().zip(answers) {
+        // The requester may have timed out and gone: nothing to do then.
+        let _ = p.reply.send(answer);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum BatchError {
+    /// PostgreSQL refused the data (class 22): the same rows fail on every retry.
+    Data,
+    /// Anything else: a retry may pass.
+    Unavailable(&'static str),
+}
+
+impl From<BatchError> for IngestError {
+    fn from(e: BatchError) -> Self {
+        match e {
+            BatchError::Data => IngestError::PayloadRefused,
+            BatchError::Unavailable(cause) => IngestError::Unavailable(cause),
+        }
+    }
+}
+
+async fn insert(
+    pool: &Pool,
+    db_timeout: Duration,
+    rows: &[NewEvent<'_>],
+) -> Result<HashSet<(String, String)>, BatchError> {
+    let work = async {
+        let client = pool.get().await.map_err(|e| {
+            tracing::debug!(error = %inbox_domain::db::describe_pool_error(&e), "no database connection");
+            BatchError::Unavailable("no connection")
+        })?;
+        store::insert_events(&client, PROVIDER_STRIPE, rows).await.map_err(classify)
+    };
+    match tokio::time::timeout(db_timeout, work).await {
+        Ok(Ok(inserted)) => Ok(inserted.into_iter().collect()),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(BatchError::Unavailable("timed out")),
+    }
+}
+
+/// A connection lost during the commit leaves the outcome unknown: 503, and the redelivery meets
+/// `ON CONFLICT` and is answered as a duplicate.
+fn classify(e: tokio_postgres::Error) -> BatchError {
+    match e.code() {
+        Some(code) if code.code().starts_with("22") => {
+            tracing::warn!(sqlstate = code.code(), "payload refused by the database");
+            BatchError::Data
+        }
+        Some(code) if *code == SqlState::QUERY_CANCELED => BatchError::Unavailable("statement timeout"),
+        _ => {
+            tracing::warn!(error = %e, "insert failed");
+            BatchError::Unavailable("database error")
+        }
+    }
+}

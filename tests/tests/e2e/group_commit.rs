@@ -1,0 +1,86 @@
+//! Group commit in the ingest: concurrent requests share one INSERT, each answered after its
+//! commit; duplicates inside a batch, a failing batch and one bad payload in a batch.
+
+use inbox_tests::app::concurrent_posts;
+use inbox_tests::events::{invoice_paid, sign, SECRET_A};
+use inbox_tests::{spawn_app_with, TestApp, TestDb};
+
+/// An ingest with one batch writer whose every INSERT takes 300 ms (plus `extra` SQL in the
+/// statement trigger), so concurrent requests queue up behind it and form batches.
+async fn slow_single_writer(extra: &str) -> TestApp {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION slow_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(0.3); {extra} RETURN NULL; END $$;
+             CREATE TRIGGER slow_batch BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION slow_batch();"
+        ))
+        .await
+        .unwrap();
+    spawn_app_with(db, |s| {
+        s.pool_size = 3;
+        s.db_timeout = std::time::Duration::from_secs(10);
+    })
+    .await
+}
+
+/// (batches, requests) written so far, from the batch-size histogram.
+async fn batches(app: &TestApp) -> (f64, f64) {
+    let text = app.get("/metrics").await.text;
+    let value = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (value("inbox_ingest_batch_size_count"), value("inbox_ingest_batch_size_sum"))
+}
+
+fn signed(body: Vec<u8>) -> (String, String, Vec<u8>) {
+    ("billing".to_owned(), sign(SECRET_A, &body), body)
+}
+
+#[test]
+fn concurrent_requests_share_batches_and_duplicates_inside_a_batch_are_answered_as_such() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_single_writer(""));
+    let mut requests: Vec<_> = (0..8).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    requests.extend((0..8).map(|_| signed(invoice_paid("evt_same", "in_2", 1))));
+    let replies = concurrent_posts(&app.address, requests);
+    assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+    let accepted = |range: std::ops::Range<usize>| {
+        replies[range].iter().filter(|r| r.body["status"] == "accepted").count()
+    };
+    assert_eq!(accepted(0..8), 8);
+    assert_eq!(accepted(8..16), 1, "one of the eight copies is new, seven are duplicates");
+    assert_eq!(rt.block_on(app.inbox_rows()), 9);
+    let (count, sum) = rt.block_on(batches(&app));
+    assert_eq!(sum, 16.0);
+    assert!(count < 16.0, "requests were coalesced: {count} batches for 16 requests");
+}
+
+#[test]
+fn a_failing_batch_answers_503_to_each_of_its_requests() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_single_writer("RAISE EXCEPTION 'disk full, say';"));
+    let requests: Vec<_> = (0..8).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    let replies = concurrent_posts(&app.address, requests);
+    assert!(replies.iter().all(|r| r.status == 503), "{replies:?}");
+    assert_eq!(rt.block_on(app.inbox_rows()), 0);
+    let (count, sum) = rt.block_on(batches(&app));
+    assert!(count < sum, "the failure hit batches, not single requests: {count} batches, {sum} requests");
+}
+
+#[test]
+fn one_payload_the_database_refuses_does_not_fail_its_batch() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_single_writer(""));
+    let mut requests: Vec<_> = (0..7).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    requests.push(signed(br#"{"id":"evt_nul","type":"invoice.paid","data":"\u0000"}"#.to_vec()));
+    let replies = concurrent_posts(&app.address, requests);
+    assert!(replies[..7].iter().all(|r| r.status == 200), "{replies:?}");
+    assert_eq!(replies[7].status, 400, "{replies:?}");
+    assert_eq!(rt.block_on(app.inbox_rows()), 7);
+}
