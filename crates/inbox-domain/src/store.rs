@@ -138,22 +138,41 @@ SELECT set_config('statement_timeout', $1, true),
        set_config('lock_timeout', $2, true),
        set_config('idle_in_transaction_session_timeout', $3, true)";
 
-/// Locks the row for processing and re-checks it is still unprocessed. Deliberately without
-/// SKIP LOCKED: another worker's claim may hold the row for an instant, and skipping would leave
-/// it until the lease expires; the wait is bounded by lock_timeout. Returns no row when another
-/// worker processed it meanwhile (our lease expired and it was taken): then we do nothing.
+/// Locks the claimed rows for processing and re-checks they are still unprocessed (`$1..$3`:
+/// arrays of provider, endpoint, event_id). Deliberately without SKIP LOCKED: another worker's
+/// claim may hold a row for an instant, and skipping would leave it until the lease expires; the
+/// wait is bounded by lock_timeout. Rows in a stable order, so two transactions that share rows
+/// (possible only after a lease expired) lock them in the same order instead of deadlocking.
+/// A claimed row missing from the result was processed by another worker meanwhile (our lease
+/// had expired and it was taken): we do nothing with it.
 pub const LOCK_FOR_PROCESSING_SQL: &str = "\
-SELECT event_type, payload, attempts
-  FROM webhook_inbox
- WHERE provider = $1 AND endpoint = $2 AND event_id = $3
-   AND processed_at IS NULL
-   FOR UPDATE";
+SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload
+  FROM webhook_inbox AS w
+  JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(provider, endpoint, event_id)
+       ON (w.provider, w.endpoint, w.event_id) = (k.provider, k.endpoint, k.event_id)
+ WHERE w.processed_at IS NULL
+ ORDER BY w.provider, w.endpoint, w.event_id
+   FOR UPDATE OF w";
 
-/// Marks the row processed in the handler's transaction: effect and mark commit together.
+/// Marks rows processed (`$1..$3`: arrays of provider, endpoint, event_id) in the handlers'
+/// transaction: each effect and its mark commit together or not at all.
 pub const MARK_PROCESSED_SQL: &str = "\
 UPDATE webhook_inbox
    SET processed_at = now(), last_error = NULL
- WHERE provider = $1 AND endpoint = $2 AND event_id = $3";
+ WHERE (provider, endpoint, event_id) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))";
+
+/// Splits keys into the three column arrays the batch statements take.
+pub fn key_columns<'a>(
+    keys: impl Iterator<Item = &'a InboxKey>,
+) -> (Vec<&'a str>, Vec<&'a str>, Vec<&'a str>) {
+    let mut columns = (Vec::new(), Vec::new(), Vec::new());
+    for key in keys {
+        columns.0.push(key.provider.as_str());
+        columns.1.push(key.endpoint.as_str());
+        columns.2.push(key.event_id.as_str());
+    }
+    columns
+}
 
 /// Fail (transaction 3, after the process transaction rolled back): records the error and moves
 /// the row to `now() + least(300, 2^attempts) * random()` seconds (full jitter). Only while the

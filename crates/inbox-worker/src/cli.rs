@@ -58,6 +58,12 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub concurrency: u32,
 
+    /// Events claimed and processed per transaction, each in its own savepoint (capped at
+    /// --concurrency). Larger batches mean fewer commits per event.
+    #[arg(long, env = "INBOX_WORKER_BATCH", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub batch_size: u32,
+
     /// How long a claimed row stays invisible to other workers.
     #[arg(long, env = "INBOX_LEASE", default_value = "2m", value_parser = parse_duration)]
     pub lease: Duration,

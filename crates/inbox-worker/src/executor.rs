@@ -1,13 +1,19 @@
-//! The executor: runs one claimed event in its own transaction (transaction 2) and returns what
-//! happened. It writes nothing on failure: the [`crate::completer`] does, in a new transaction.
+//! The executor: runs claimed events in one transaction (transaction 2), each event inside its
+//! own savepoint so that one failing event does not poison the others, and returns an outcome
+//! per event. It writes nothing on failure: the [`crate::completer`] does, in a new transaction.
+//!
+//! One transaction for a batch is what keeps commits per event far below one: the claim and the
+//! process commit are shared by every event of the batch. The price is that events of a batch
+//! run one after the other on one connection; `--concurrency` sets how many run at once overall.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use futures_util::FutureExt as _;
 use inbox_domain::handlers::{describe_db_error, InboxEvent, Registry};
-use inbox_domain::store::{self, Claimed};
+use inbox_domain::store::{self, Claimed, InboxKey};
 
 /// What running one event came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,18 +44,18 @@ impl Outcome {
 pub struct Limits {
     /// `statement_timeout` of each statement (handler statements included).
     pub statement_timeout: Duration,
-    /// `lock_timeout`, below the statement timeout, for the row lock and the handler's locks.
+    /// `lock_timeout`, below the statement timeout, for the row locks and the handlers' locks.
     pub lock_timeout: Duration,
     /// `idle_in_transaction_session_timeout`: a worker stalled mid-transaction loses its session
-    /// (and the row lock) instead of blocking others.
+    /// (and its row locks) instead of blocking others.
     pub idle_timeout: Duration,
     /// Bound on the whole transaction, measured by the worker itself.
     pub deadline: Duration,
 }
 
-/// A pooled connection that is discarded unless explicitly released in a known-clean state:
-/// a task cancelled or panicking mid-transaction never hands a connection with an open or
-/// aborted transaction back to the pool.
+/// A pooled connection that is discarded unless explicitly marked clean: a task cancelled or
+/// panicking mid-transaction never hands a connection with an open or aborted transaction back
+/// to the pool.
 pub struct Conn {
     object: Option<Object>,
     clean: bool,
@@ -93,75 +99,125 @@ fn millis(d: Duration) -> String {
     format!("{}ms", d.as_millis().max(1))
 }
 
-/// Runs `claimed` under `limits`. Afterwards `conn` is marked clean only when its transaction
-/// ended by an explicit COMMIT or ROLLBACK that the server acknowledged; after an error midway,
-/// a timeout or a cancellation it is discarded, never reused.
+/// Runs one claimed event; see [`execute_batch`].
 pub async fn execute(conn: &mut Conn, registry: &Registry, claimed: &Claimed, limits: &Limits) -> Outcome {
+    execute_batch(conn, registry, std::slice::from_ref(claimed), limits)
+        .await
+        .pop()
+        .expect("one outcome per event")
+}
+
+/// Runs `claimed` under `limits` in one transaction; returns one outcome per claimed row, in
+/// order. Afterwards `conn` is marked clean only when its transaction ended by a COMMIT or
+/// ROLLBACK the server acknowledged; after an error outside a savepoint, a timeout or a
+/// cancellation it is discarded, never reused — and every event of the batch is `Failed`.
+pub async fn execute_batch(
+    conn: &mut Conn,
+    registry: &Registry,
+    claimed: &[Claimed],
+    limits: &Limits,
+) -> Vec<Outcome> {
     conn.set_clean(false);
+    let all_failed = |message: String| claimed.iter().map(|_| Outcome::Failed(message.clone())).collect();
     match tokio::time::timeout(limits.deadline, run_transaction(conn, registry, claimed, limits)).await {
-        Ok(Ok(outcome)) => {
+        Ok(Ok(outcomes)) => {
             conn.set_clean(true);
-            outcome
+            outcomes
         }
-        Ok(Err(e)) if e.is_closed() => Outcome::Failed(format!(
+        Ok(Err(e)) if e.is_closed() => all_failed(format!(
             "the database closed the connection mid-transaction (idle in transaction over the {} ms \
              idle_in_transaction_session_timeout, a restart, or a terminated backend): {}",
             limits.idle_timeout.as_millis(),
             describe_db_error(&e)
         )),
-        Ok(Err(e)) => Outcome::Failed(describe_db_error(&e)),
-        Err(_) => Outcome::Failed(format!("processing took longer than {:?}", limits.deadline)),
+        Ok(Err(e)) => all_failed(describe_db_error(&e)),
+        Err(_) => all_failed(format!("processing took longer than {:?}", limits.deadline)),
     }
 }
 
 async fn run_transaction(
     conn: &mut Conn,
     registry: &Registry,
-    claimed: &Claimed,
+    claimed: &[Claimed],
     limits: &Limits,
-) -> Result<Outcome, tokio_postgres::Error> {
-    let key = &claimed.key;
+) -> Result<Vec<Outcome>, tokio_postgres::Error> {
     let client = conn.client();
-    let tx = client.transaction().await?;
+    let mut tx = client.transaction().await?;
     let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await?;
     tx.execute(
         &limits_stmt,
         &[&millis(limits.statement_timeout), &millis(limits.lock_timeout), &millis(limits.idle_timeout)],
     )
     .await?;
+    let (providers, endpoints, ids) = store::key_columns(claimed.iter().map(|c| &c.key));
     let lock = tx.prepare_cached(store::LOCK_FOR_PROCESSING_SQL).await?;
-    let Some(row) = tx.query_opt(&lock, &[&key.provider, &key.endpoint, &key.event_id]).await? else {
-        tx.rollback().await?;
-        return Ok(Outcome::AlreadyProcessed);
-    };
-    let event = InboxEvent {
-        provider: key.provider.clone(),
-        endpoint: key.endpoint.clone(),
-        event_id: key.event_id.clone(),
-        event_type: row.get(0),
-        payload: row.get(1),
-    };
-    let outcome = match registry.get(&event.event_type) {
-        None => Outcome::Ignored,
-        Some(handler) => match AssertUnwindSafe(handler(&tx, &event)).catch_unwind().await {
-            Ok(Ok(())) => Outcome::Processed,
+    let mut locked: HashMap<InboxKey, InboxEvent> = tx
+        .query(&lock, &[&providers, &endpoints, &ids])
+        .await?
+        .into_iter()
+        .map(|row| {
+            let event = InboxEvent {
+                provider: row.get(0),
+                endpoint: row.get(1),
+                event_id: row.get(2),
+                event_type: row.get(3),
+                payload: row.get(4),
+            };
+            let key = InboxKey {
+                provider: event.provider.clone(),
+                endpoint: event.endpoint.clone(),
+                event_id: event.event_id.clone(),
+            };
+            (key, event)
+        })
+        .collect();
+
+    let mut outcomes = Vec::with_capacity(claimed.len());
+    for row in claimed {
+        let Some(event) = locked.remove(&row.key) else {
+            outcomes.push(Outcome::AlreadyProcessed);
+            continue;
+        };
+        let Some(handler) = registry.get(&event.event_type) else {
+            outcomes.push(Outcome::Ignored);
+            continue;
+        };
+        let savepoint = tx.savepoint("event").await?;
+        let result = AssertUnwindSafe(handler(&savepoint, &event)).catch_unwind().await;
+        outcomes.push(match result {
+            Ok(Ok(())) => {
+                savepoint.commit().await?;
+                Outcome::Processed
+            }
             Ok(Err(e)) => {
-                tx.rollback().await?;
-                return Ok(Outcome::Failed(e.to_string()));
+                savepoint.rollback().await?;
+                Outcome::Failed(e.to_string())
             }
             Err(panic) => {
+                savepoint.rollback().await?;
                 let message = panic
                     .downcast_ref::<&str>()
                     .map(|s| (*s).to_owned())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "non-string panic payload".to_owned());
-                tx.rollback().await?;
-                return Ok(Outcome::Failed(format!("handler panicked: {message}")));
+                Outcome::Failed(format!("handler panicked: {message}"))
             }
-        },
-    };
-    let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
-    tx.execute(&mark, &[&key.provider, &key.endpoint, &key.event_id]).await?;
-    tx.commit().await?;
-    Ok(outcome)
+        });
+    }
+
+    let done: Vec<&InboxKey> = claimed
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| matches!(o, Outcome::Processed | Outcome::Ignored))
+        .map(|(c, _)| &c.key)
+        .collect();
+    if done.is_empty() {
+        tx.rollback().await?;
+    } else {
+        let (providers, endpoints, ids) = store::key_columns(done.into_iter());
+        let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
+        tx.execute(&mark, &[&providers, &endpoints, &ids]).await?;
+        tx.commit().await?;
+    }
+    Ok(outcomes)
 }

@@ -74,12 +74,15 @@ pub async fn run(
         };
         ctx.metrics.claim_batch_size.observe(claimed.len() as f64);
         let full = claimed.len() == want;
-        for row in claimed {
-            let permit = slots.clone().try_acquire_owned().expect("claimed no more rows than free slots");
+        if !claimed.is_empty() {
+            let permits = slots
+                .clone()
+                .try_acquire_many_owned(claimed.len() as u32)
+                .expect("claimed no more rows than free slots");
             let ctx = ctx.clone();
             tasks.spawn(async move {
-                process_one(&ctx, row).await;
-                drop(permit);
+                process_batch(&ctx, claimed).await;
+                drop(permits);
             });
         }
         if full {
@@ -103,66 +106,81 @@ async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
     Ok(rows)
 }
 
-/// Runs one claimed row: hands it back if shutdown began before it started, else executes it
-/// and records the outcome.
-async fn process_one(ctx: &Context, claimed: Claimed) {
-    let key = &claimed.key;
-    let span = tracing::info_span!(
-        "event",
-        provider = %key.provider,
-        endpoint = %key.endpoint,
-        event_id = %key.event_id,
-        event_type = %claimed.event_type,
-        attempt = claimed.attempts,
-    );
-    async {
-        let mut conn = match Conn::get(&ctx.pool).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "no connection for a claimed row; it is retried after its lease");
-                return;
-            }
-        };
-        if ctx.shutdown.is_cancelled() {
-            conn.set_clean(true);
-            drop(conn);
-            if completer::hand_back(&ctx.pool, std::slice::from_ref(&claimed)).await == 1 {
-                ctx.metrics.event("handed_back");
-                tracing::info!(outcome = "handed_back", "claimed row handed back at shutdown");
-            }
+/// Runs one claimed batch: hands it back if shutdown began before it started, else executes it
+/// in one transaction and records each event's outcome.
+async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
+    let mut conn = match Conn::get(&ctx.pool).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, rows = claimed.len(), "no connection for claimed rows; they are retried after their lease");
             return;
         }
-        ctx.metrics.in_flight.inc();
-        let started = Instant::now();
-        let outcome = executor::execute(&mut conn, &ctx.registry, &claimed, &ctx.limits).await;
-        ctx.metrics.processing_seconds.observe(started.elapsed().as_secs_f64());
-        ctx.metrics.in_flight.dec();
+    };
+    if ctx.shutdown.is_cancelled() {
+        conn.set_clean(true);
+        drop(conn);
+        let handed = completer::hand_back(&ctx.pool, &claimed).await;
+        for _ in 0..handed {
+            ctx.metrics.event("handed_back");
+        }
+        tracing::info!(outcome = "handed_back", rows = handed, "claimed rows handed back at shutdown");
+        return;
+    }
+    let n = claimed.len() as i64;
+    ctx.metrics.in_flight.inc_by(n);
+    let started = Instant::now();
+    let outcomes = executor::execute_batch(&mut conn, &ctx.registry, &claimed, &ctx.limits).await;
+    let elapsed = started.elapsed();
+    ctx.metrics.in_flight.dec_by(n);
+    let mut conn = Some(conn);
+    for (row, outcome) in claimed.iter().zip(outcomes) {
+        let key = &row.key;
+        let span = tracing::info_span!(
+            "event",
+            provider = %key.provider,
+            endpoint = %key.endpoint,
+            event_id = %key.event_id,
+            event_type = %row.event_type,
+            attempt = row.attempts,
+        );
+        ctx.metrics.processing_seconds.observe(elapsed.as_secs_f64());
         match outcome {
             Outcome::Processed | Outcome::Ignored => {
-                let waited = SystemTime::now().duration_since(claimed.received_at).unwrap_or_default();
+                let waited = SystemTime::now().duration_since(row.received_at).unwrap_or_default();
                 ctx.metrics.receive_to_processed_seconds.observe(waited.as_secs_f64());
                 ctx.metrics.event(outcome.label());
-                tracing::info!(outcome = outcome.label(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "event done");
+                span.in_scope(|| {
+                    tracing::info!(
+                        outcome = outcome.label(),
+                        batch = n,
+                        elapsed_ms = elapsed.as_secs_f64() * 1e3,
+                        "event done"
+                    )
+                });
             }
             Outcome::AlreadyProcessed => {
                 ctx.metrics.event(outcome.label());
-                tracing::info!(outcome = outcome.label(), "event already processed by another worker");
+                span.in_scope(|| {
+                    tracing::info!(outcome = outcome.label(), "event already processed by another worker")
+                });
             }
             Outcome::Failed(error) => {
-                let record = completer::record_failure(&ctx.pool, Some(conn), &claimed, &error, ctx.max_attempts).await;
+                let record = completer::record_failure(&ctx.pool, conn.take(), row, &error, ctx.max_attempts)
+                    .instrument(span.clone())
+                    .await;
                 let label = match record {
                     FailureRecord::Parked => "parked",
                     _ => "failed",
                 };
                 ctx.metrics.event(label);
-                if record == FailureRecord::Parked {
-                    tracing::warn!(outcome = label, %error, "event failed at the attempt limit: parked for review");
-                } else {
-                    tracing::warn!(outcome = label, %error, record = ?record, "event failed");
-                }
+                span.in_scope(|| {
+                    if record == FailureRecord::Parked {
+                        tracing::warn!(outcome = label, %error, "event failed at the attempt limit: parked for review");
+                    } else {
+                        tracing::warn!(outcome = label, %error, record = ?record, "event failed");
+                    }
+                });
             }
         }
     }
-    .instrument(span)
-    .await
 }

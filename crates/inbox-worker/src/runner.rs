@@ -25,7 +25,7 @@ pub struct Settings {
     pub max_attempts: i32,
     /// Events in flight at once.
     pub concurrency: usize,
-    /// Rows per claim at most (never more than the free slots).
+    /// Rows per claim and per process transaction at most (never more than the free slots).
     pub batch_size: usize,
     pub lease: Duration,
     pub limits: Limits,
@@ -60,7 +60,7 @@ impl Settings {
             database,
             max_attempts,
             concurrency,
-            batch_size: concurrency,
+            batch_size: (args.batch_size as usize).min(concurrency),
             lease: args.lease,
             limits: Limits {
                 statement_timeout: args.statement_timeout,

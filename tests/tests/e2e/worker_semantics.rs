@@ -443,3 +443,73 @@ async fn handing_back_an_unstarted_claim_returns_its_attempt_only_while_it_is_ou
         .get(0);
     assert_eq!(attempts, 2);
 }
+
+/// Several events share one transaction, each in its own savepoint: a failing, a timing-out and a
+/// panicking event do not poison their neighbours, whose effects commit.
+#[tokio::test]
+async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    let mut registry = invoices();
+    registry.register("test.panic", panicking);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let mut broken: serde_json::Value = serde_json::from_slice(&invoice_paid("evt_2", "in_2", 100)).unwrap();
+    broken["data"]["object"].as_object_mut().unwrap().remove("customer");
+    store_event(&client, "billing", &serde_json::to_vec(&broken).unwrap()).await;
+    store_event(&client, "billing", &invoice_paid("evt_3", "in_3", 100)).await;
+    store_event(&client, "billing", &invoice_event("evt_4", "test.panic", "in_4", "open", 0)).await;
+    // evt_5's booking runs into the statement timeout (a trigger sleeps for in_5 only).
+    client
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN IF NEW.invoice_id = 'in_5' THEN PERFORM pg_sleep(2); END IF; RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    store_event(&client, "billing", &invoice_paid("evt_5", "in_5", 100)).await;
+    store_event(&client, "billing", &invoice_event("evt_6", "customer.created", "in_6", "open", 0)).await;
+
+    let claimed = claim(&pool, 10, LEASE, 10).await;
+    assert_eq!(claimed.len(), 6);
+    let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+    let outcomes = inbox_worker::executor::execute_batch(
+        &mut conn,
+        &registry,
+        &claimed,
+        // The worker's own deadline is generous: only evt_5's statement may time out.
+        &inbox_worker::executor::Limits {
+            deadline: Duration::from_secs(30),
+            ..test_limits(Duration::from_millis(700))
+        },
+    )
+    .await;
+    assert!(conn.is_clean(), "{outcomes:?}");
+    let by_id: std::collections::HashMap<&str, &Outcome> =
+        claimed.iter().map(|c| c.key.event_id.as_str()).zip(outcomes.iter()).collect();
+    assert_eq!(by_id["evt_1"], &Outcome::Processed);
+    assert!(matches!(by_id["evt_2"], Outcome::Failed(e) if e.contains("customer")), "{outcomes:?}");
+    assert_eq!(by_id["evt_3"], &Outcome::Processed);
+    assert!(matches!(by_id["evt_4"], Outcome::Failed(e) if e.contains("panicked")), "{outcomes:?}");
+    assert!(matches!(by_id["evt_5"], Outcome::Failed(e) if e.contains("57014")), "{outcomes:?}");
+    assert_eq!(by_id["evt_6"], &Outcome::Ignored);
+
+    let processed: Vec<String> = client
+        .query("SELECT event_id FROM webhook_inbox WHERE processed_at IS NOT NULL ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(processed, ["evt_1", "evt_3", "evt_6"]);
+    let booked: Vec<String> = client
+        .query("SELECT invoice_id FROM ledger_entries ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(booked, ["in_1", "in_3"]);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices WHERE id IN ('in_2', 'in_5')").await, 0);
+}
