@@ -29,6 +29,19 @@ test: build ## Every test, against the local PostgreSQL (or DATABASE_URL)
 	    $(WITH_DB) $(CARGO) test --workspace; \
 	fi
 
+CHAOS_DURATION ?= 5m
+CHAOS_RATE ?= 100
+CHAOS_FAULT_INTERVAL ?= 5s
+CHAOS_ARGS ?=
+.PHONY: chaos
+chaos: build ## Load + faults (kill -9, pg restarts, …), then check nothing lost/doubled; target/chaos/report.json
+	$(WITH_DB) target/debug/chaos --duration $(CHAOS_DURATION) --rate $(CHAOS_RATE) \
+	    --fault-interval $(CHAOS_FAULT_INTERVAL) $(CHAOS_ARGS)
+
+lint: ## rustfmt check and clippy with warnings as errors
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
 lint: ## rustfmt check and clippy with warnings as errors
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
