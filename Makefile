@@ -42,9 +42,9 @@ lint: ## rustfmt check and clippy with warnings as errors
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-lint: ## rustfmt check and clippy with warnings as errors
-	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
+.PHONY: deploy-check
+deploy-check: ## Validate deploy/ manifests, alert rules and dashboard
+	scripts/check-deploy.sh
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

