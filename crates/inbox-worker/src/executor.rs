@@ -135,12 +135,38 @@ pub async fn execute_batch(
     }
 }
 
+/// Whether one pass of a batch finished or must be redone with a savepoint per event.
+enum Pass {
+    Done(Vec<Outcome>),
+    /// An event failed in a pass without savepoints: everything was rolled back.
+    NeedsSavepoints,
+}
+
+/// Runs a batch optimistically first — without savepoints, two round trips per event fewer —
+/// and only when an event fails, rolls back and redoes the batch with a savepoint per event, so
+/// that the failure is isolated. Failures are rare; the common path pays nothing for isolation.
 async fn run_transaction(
     conn: &mut Conn,
     registry: &Registry,
     claimed: &[Claimed],
     limits: &Limits,
 ) -> Result<Vec<Outcome>, tokio_postgres::Error> {
+    if let Pass::Done(outcomes) = run_pass(conn, registry, claimed, limits, false).await? {
+        return Ok(outcomes);
+    }
+    match run_pass(conn, registry, claimed, limits, true).await? {
+        Pass::Done(outcomes) => Ok(outcomes),
+        Pass::NeedsSavepoints => unreachable!("a pass with savepoints isolates every failure"),
+    }
+}
+
+async fn run_pass(
+    conn: &mut Conn,
+    registry: &Registry,
+    claimed: &[Claimed],
+    limits: &Limits,
+    savepoints: bool,
+) -> Result<Pass, tokio_postgres::Error> {
     let client = conn.client();
     let mut tx = client.transaction().await?;
     let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await?;
@@ -182,6 +208,22 @@ async fn run_transaction(
             outcomes.push(Outcome::Ignored);
             continue;
         };
+        if !savepoints {
+            let failure = match AssertUnwindSafe(handler(&tx, &event)).catch_unwind().await {
+                Ok(Ok(())) => {
+                    outcomes.push(Outcome::Processed);
+                    continue;
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(panic) => format!("handler panicked: {}", panic_message(&panic)),
+            };
+            tx.rollback().await?;
+            if claimed.len() > 1 {
+                return Ok(Pass::NeedsSavepoints);
+            }
+            // A batch of one needs no savepoint: its rollback isolated the failure already.
+            return Ok(Pass::Done(vec![Outcome::Failed(failure)]));
+        }
         let savepoint = tx.savepoint("event").await?;
         let result = AssertUnwindSafe(handler(&savepoint, &event)).catch_unwind().await;
         outcomes.push(match result {
@@ -195,12 +237,7 @@ async fn run_transaction(
             }
             Err(panic) => {
                 savepoint.rollback().await?;
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic payload".to_owned());
-                Outcome::Failed(format!("handler panicked: {message}"))
+                Outcome::Failed(format!("handler panicked: {}", panic_message(&panic)))
             }
         });
     }
@@ -219,5 +256,13 @@ async fn run_transaction(
         tx.execute(&mark, &[&providers, &endpoints, &ids]).await?;
         tx.commit().await?;
     }
-    Ok(outcomes)
+    Ok(Pass::Done(outcomes))
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_owned())
 }

@@ -40,18 +40,28 @@ ON CONFLICT (id) DO UPDATE
    AND invoices.status <> 'void'
    AND NOT (invoices.status = 'paid' AND EXCLUDED.status = 'void')";
 
-/// `invoice.paid` step 1: upsert to `paid` unless already `paid` or `void` (seed 5.2).
+/// `invoice.paid` step 1: upsert to `paid` unless already `paid` or `void` (seed 5.2), and read
+/// the status the invoice has afterwards, in one round trip. The row is locked by the upsert
+/// (updated or not), so the status stays true until commit. The second branch reads the
+/// statement's snapshot: it misses a row another transaction committed *during* this statement,
+/// and then no row comes back — [`STATUS_SQL`] reads it with a fresh snapshot.
 pub const PAY_SQL: &str = "\
-INSERT INTO invoices (id, customer_id, status, amount_paid, paid_at)
-VALUES ($1, $2, 'paid', $3, now())
-ON CONFLICT (id) DO UPDATE
-   SET status = 'paid',
-       amount_paid = EXCLUDED.amount_paid,
-       paid_at = COALESCE(invoices.paid_at, EXCLUDED.paid_at),
-       updated_at = now()
- WHERE invoices.status NOT IN ('paid', 'void')";
+WITH paid AS (
+    INSERT INTO invoices (id, customer_id, status, amount_paid, paid_at)
+    VALUES ($1, $2, 'paid', $3, now())
+    ON CONFLICT (id) DO UPDATE
+       SET status = 'paid',
+           amount_paid = EXCLUDED.amount_paid,
+           paid_at = COALESCE(invoices.paid_at, EXCLUDED.paid_at),
+           updated_at = now()
+     WHERE invoices.status NOT IN ('paid', 'void')
+    RETURNING status
+)
+SELECT status FROM paid
+UNION ALL
+SELECT status FROM invoices WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM paid)";
 
-/// `invoice.paid` step 2: the status after step 1 (the row is locked by it: stable until commit).
+/// `invoice.paid` step 2, only when step 1 returned no row: the status, with a fresh snapshot.
 pub const STATUS_SQL: &str = "SELECT status FROM invoices WHERE id = $1";
 
 /// `invoice.paid` step 3: book the payment once (UNIQUE (invoice_id, kind) is the second line of
@@ -119,9 +129,13 @@ fn paid<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a>
             return Err(HandlerError::Payload("data.object.amount_paid is negative".into()));
         }
         let pay = tx.prepare_cached(PAY_SQL).await?;
-        tx.execute(&pay, &[&id, &customer, &amount]).await?;
-        let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
-        let status: String = tx.query_one(&status_stmt, &[&id]).await?.get(0);
+        let status: String = match tx.query_opt(&pay, &[&id, &customer, &amount]).await? {
+            Some(row) => row.get(0),
+            None => {
+                let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
+                tx.query_one(&status_stmt, &[&id]).await?.get(0)
+            }
+        };
         match status.as_str() {
             "paid" => {
                 let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
