@@ -38,6 +38,12 @@ chaos: build ## Load + faults (kill -9, pg restarts, …), then check nothing lo
 	$(WITH_DB) target/debug/chaos --duration $(CHAOS_DURATION) --rate $(CHAOS_RATE) \
 	    --fault-interval $(CHAOS_FAULT_INTERVAL) $(CHAOS_ARGS)
 
+BENCH_ARGS ?=
+.PHONY: bench
+bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); table + target/bench/report.json
+	$(CARGO) build --release --workspace --bins
+	$(WITH_DB) target/release/bench $(BENCH_ARGS)
+
 lint: ## rustfmt check and clippy with warnings as errors
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

@@ -1,0 +1,129 @@
+//! (d) End to end: one ingest and one worker, webhooks sent at a fixed rate (open loop), then
+//! receive-to-processed latency from the rows (`processed_at - received_at`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::ensure;
+use serde_json::json;
+
+use crate::http;
+use crate::payload::Requests;
+use crate::pg::{self, simple_rows};
+use crate::services::{check_alive, stop};
+use crate::util::{rss_kib, CpuSample};
+use crate::Ctx;
+
+pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serde_json::Value> {
+    let db = ctx.server.create_db("d").await?;
+    let result = async {
+        ctx.migrate(&db.url).await?;
+        let (mut ingest, addr) = ctx.bins.start_ingest(&db.url).await?;
+        let mut extra = Vec::new();
+        if let Some(p) = &ctx.args.e2e_poll_interval {
+            extra.extend(["--poll-interval", p.as_str()]);
+        }
+        let mut worker = ctx.bins.start_worker(&db.url, ctx.args.worker_concurrency, &extra);
+        let client = pg::connect(&db.url).await?;
+        let host = addr.to_string();
+        let warm_n = (rate * ctx.args.warmup.as_secs_f64()).ceil() as usize + 1;
+        let n = (rate * ctx.args.duration.as_secs_f64()).ceil() as usize + 1;
+        let (t1, t2, h1, h2) = (ctx.template.clone(), ctx.template.clone(), host.clone(), host);
+        let warm = Arc::new(tokio::task::spawn_blocking(move || Requests::new(&t1, &h1, "w_", warm_n)).await?);
+        let measured = Arc::new(tokio::task::spawn_blocking(move || Requests::new(&t2, &h2, "m_", n)).await?);
+        let conns = ctx.args.e2e_connections.unwrap_or(((rate * 0.1).ceil() as usize).clamp(32, 256)).max(1);
+        ctx.say(&format!(
+            "d: {rate:.0} webhooks/s ({rate_source}) over {conns} connections, {} s warm-up + {} s, 1 ingest + 1 worker",
+            ctx.args.warmup.as_secs_f64(),
+            ctx.args.duration.as_secs_f64()
+        ));
+        let warm_load = if ctx.args.warmup > Duration::ZERO {
+            let c = http::connect_all(addr, conns).await?;
+            Some(http::open_loop(c, warm, Instant::now(), rate, ctx.args.warmup).await)
+        } else {
+            None
+        };
+        let c = http::connect_all(addr, conns).await?;
+        let procs = [("ingest", ingest.child.id()), ("worker", worker.child.id())];
+        let cpu0 = CpuSample::take(ctx.server.postmaster, &procs);
+        let load = http::open_loop(c, measured, Instant::now(), rate, ctx.args.duration).await;
+        let cpu1 = CpuSample::take(ctx.server.postmaster, &procs);
+        let sent_at = Instant::now();
+        check_alive(&mut ingest, "inbox-ingest")?;
+        let progress = |left: i64| ctx.say(&format!("d:   {left} rows not yet processed"));
+        let (_, drained_at) =
+            pg::wait_drained(&client, Duration::from_millis(20), ctx.args.drain_timeout, progress, || {
+                check_alive(&mut worker, "inbox-worker")
+            })
+            .await?;
+        let ingest_rss = rss_kib(ingest.child.id());
+        let worker_rss = rss_kib(worker.child.id());
+        stop(&mut ingest, Duration::from_secs(10)).await;
+        stop(&mut worker, Duration::from_secs(30)).await;
+        let rows = simple_rows(
+            &client,
+            "SELECT count(*),
+                    count(*) FILTER (WHERE left(event_id, 6) = 'evt_m_'),
+                    percentile_cont(ARRAY[0.5, 0.9, 0.99, 0.999]) WITHIN GROUP (ORDER BY
+                        extract(epoch FROM processed_at - received_at) * 1000)
+                        FILTER (WHERE left(event_id, 6) = 'evt_m_'),
+                    max(extract(epoch FROM processed_at - received_at) * 1000) FILTER (WHERE left(event_id, 6) = 'evt_m_'),
+                    (SELECT count(*) FROM ledger_entries)
+               FROM webhook_inbox",
+        )
+        .await?;
+        let r = &rows[0];
+        let total: i64 = r[0].parse()?;
+        let measured_rows: i64 = r[1].parse()?;
+        let pct: Vec<f64> =
+            r[2].trim_matches(|c| c == '{' || c == '}').split(',').filter_map(|v| v.parse().ok()).collect();
+        ensure!(pct.len() == 4, "no receive-to-processed percentiles (no rows?)");
+        let max_ms: f64 = r[3].parse().unwrap_or(f64::NAN);
+        let ledger: i64 = r[4].parse()?;
+        let total_ok = load.measured.ok + warm_load.as_ref().map_or(0, |w| w.measured.ok);
+        let unanswered = load.measured.errors + warm_load.as_ref().map_or(0, |w| w.measured.errors);
+        let non_2xx = load.measured.non_2xx + warm_load.as_ref().map_or(0, |w| w.measured.non_2xx);
+        let cpu = cpu0.usage(&cpu1, Some(load.measured.ok as f64));
+        ctx.say(&format!(
+            "d: sent {:.0}/s, receive-to-processed p50 {:.1} ms p99 {:.1} ms max {max_ms:.1} ms; HTTP p99 {:.1} ms; \
+             drained {:.2} s after the last send ({})",
+            load.rate(),
+            pct[0],
+            pct[2],
+            load.latency.p99,
+            drained_at.duration_since(sent_at).as_secs_f64(),
+            crate::util::cpu_summary(&cpu)
+        ));
+        Ok(json!({
+            "target_rate": rate,
+            "rate_source": rate_source,
+            "achieved_rate": load.rate(),
+            "connections": conns,
+            "seconds": load.seconds,
+            "worker_concurrency": ctx.args.worker_concurrency,
+            "worker_poll_interval": ctx.args.e2e_poll_interval.clone().unwrap_or_else(|| "service default".into()),
+            "receive_to_processed": {
+                "rows": measured_rows, "p50_ms": pct[0], "p90_ms": pct[1], "p99_ms": pct[2], "p99_9_ms": pct[3],
+                "max_ms": max_ms,
+            },
+            "http_latency": load.latency.json(),
+            "measured": load.measured.json(),
+            "non_2xx": non_2xx,
+            "unanswered": unanswered,
+            "total_2xx": total_ok,
+            "rows_stored": total,
+            "rows_match_2xx": total as u64 == total_ok,
+            "ledger_rows": ledger,
+            "drain_after_last_send_s": drained_at.duration_since(sent_at).as_secs_f64(),
+            "first_error": load.first_error,
+            "ingest_rss_kib": ingest_rss.map(|r| r.0),
+            "ingest_peak_rss_kib": ingest_rss.map(|r| r.1),
+            "worker_rss_kib": worker_rss.map(|r| r.0),
+            "worker_peak_rss_kib": worker_rss.map(|r| r.1),
+            "cpu": cpu,
+        }))
+    }
+    .await;
+    ctx.server.drop_db(&db).await;
+    result
+}

@@ -1,0 +1,389 @@
+//! The printed table (each figure, its ratio to the pgbench limit, its target) and the machine
+//! lines.
+
+use serde_json::{json, Value};
+
+pub struct Row {
+    figure: String,
+    value: String,
+    ratio: Option<(f64, String)>,
+    target: String,
+    ok: Option<bool>,
+}
+
+pub struct Table {
+    rows: Vec<Row>,
+}
+
+fn mib(kib: f64) -> String {
+    format!("{:.1} MiB", kib / 1024.0)
+}
+
+fn size(bytes: Option<i64>) -> String {
+    match bytes {
+        None => "?".into(),
+        Some(b) if b >= 10 << 20 => format!("{:.0} MiB", b as f64 / (1 << 20) as f64),
+        Some(b) if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1 << 20) as f64),
+        Some(b) => format!("{:.0} KiB", b as f64 / 1024.0),
+    }
+}
+
+fn f(v: &Value, digits: usize) -> String {
+    match v.as_f64() {
+        Some(x) => format!("{x:.digits$}"),
+        None => "–".into(),
+    }
+}
+
+/// The entries of a JSON object keyed by numbers ("32", "256"), in numeric order.
+fn numeric(v: &Value) -> Vec<(&String, &Value)> {
+    let mut entries: Vec<_> = v.as_object().into_iter().flatten().collect();
+    entries.sort_by_key(|(k, _)| k.parse::<u64>().unwrap_or(u64::MAX));
+    entries
+}
+
+fn explain(e: &Value) -> String {
+    if let Some(err) = e["error"].as_str() {
+        return format!("error: {}", err.chars().take(40).collect::<String>());
+    }
+    format!(
+        "{} ms, {} buf",
+        f(&e["execution_ms"], 2),
+        e["shared_hit_blocks"].as_i64().unwrap_or(0) + e["shared_read_blocks"].as_i64().unwrap_or(0)
+    )
+}
+
+impl Table {
+    fn add(&mut self, figure: impl Into<String>, value: impl Into<String>) -> &mut Row {
+        self.rows.push(Row {
+            figure: figure.into(),
+            value: value.into(),
+            ratio: None,
+            target: String::new(),
+            ok: None,
+        });
+        self.rows.last_mut().unwrap()
+    }
+
+    pub fn build(r: &serde_json::Map<String, Value>) -> Table {
+        let mut t = Table { rows: Vec::new() };
+        let null = Value::Null;
+        let get = |k: &str| r.get(k).unwrap_or(&null);
+        let pgbench = get("pgbench");
+        let tps = |c: &str| pgbench[c]["tps"].as_f64();
+        let ref32 = tps("32").map(|v| (v, "a32".to_owned())).or_else(|| {
+            pgbench
+                .as_object()
+                .and_then(|m| m.iter().next())
+                .and_then(|(k, v)| v["tps"].as_f64().map(|t| (t, format!("a{k}"))))
+        });
+
+        for (c, v) in numeric(pgbench) {
+            let row = t.add(
+                format!("a  pgbench -M prepared INSERT, {} clients", v["clients"]),
+                format!("{} tps", f(&v["tps"], 0)),
+            );
+            row.ratio = Some((1.0, format!("a{c}")));
+        }
+
+        for (c, v) in numeric(get("ingest")) {
+            let rate = v["req_per_s"].as_f64().unwrap_or(0.0);
+            let row = t.add(format!("b  ingest, {c} connections"), format!("{rate:.0} req/s"));
+            if let Some(base) = tps(c) {
+                row.ratio = Some((rate / base, format!("a{c}")));
+                row.target = "≥ 0.80".into();
+                row.ok = Some(rate / base >= 0.8);
+            }
+            let l = &v["latency"];
+            t.add(
+                "     latency p50 / p99 / p99.9",
+                format!("{} / {} / {} ms", f(&l["p50_ms"], 1), f(&l["p99_ms"], 1), f(&l["p99_9_ms"], 1)),
+            );
+            let (non2xx, unanswered) =
+                (v["non_2xx"].as_u64().unwrap_or(0), v["unanswered"].as_u64().unwrap_or(0));
+            let row = t.add("     non-2xx / unanswered", format!("{non2xx} / {unanswered}"));
+            row.target = "0 / 0".into();
+            row.ok = Some(non2xx == 0 && unanswered == 0);
+            let row =
+                t.add("     rows stored / 2xx answers", format!("{} / {}", v["rows_stored"], v["total_2xx"]));
+            row.target = "equal".into();
+            row.ok = v["rows_match_2xx"].as_bool();
+            t.add(
+                "     commits / request (XIDs assigned)",
+                format!("{} ({})", f(&v["commits_per_request"], 2), f(&v["xids_per_request"], 2)),
+            );
+            t.add(
+                "     CPU µs per request: ingest / postgres",
+                format!(
+                    "{} / {}",
+                    f(&v["cpu"]["ingest_cpu_us_per_unit"], 0),
+                    f(&v["cpu"]["postgres_cpu_us_per_unit"], 0)
+                ),
+            );
+        }
+
+        let drain_rows = |t: &mut Table, v: &Value| {
+            let commits = v["commits_per_event"].as_f64().unwrap_or(f64::NAN);
+            let row = t.add(
+                "     commits / event (XIDs assigned, incl. savepoints)",
+                format!("{commits:.2} ({})", f(&v["xids_per_event"], 2)),
+            );
+            row.target = "≤ 1.20".into();
+            row.ok = Some(commits <= 1.2);
+            t.add(
+                "     WAL bytes / event (full-page images / event)",
+                format!("{} ({})", f(&v["wal_bytes_per_event"], 0), f(&v["pg_stat_wal"]["fpi_per_event"], 2)),
+            );
+            let a = &v["table_after"];
+            let autovacuums = a["autovacuum_count"].as_i64().unwrap_or(0)
+                - v["table_before"]["autovacuum_count"].as_i64().unwrap_or(0);
+            t.add(
+                "     after drain: n_dead_tup / n_live_tup (autovacuums)",
+                format!(
+                    "{} / {} = {} ({autovacuums})",
+                    a["n_dead_tup"],
+                    a["n_live_tup"],
+                    f(&a["dead_per_live"], 2)
+                ),
+            );
+            let exact = &v["pgstattuple_after"];
+            if exact["dead_tuples"].is_i64() {
+                let density = |name: &str| {
+                    exact["indexes"]
+                        .as_array()
+                        .and_then(|a| a.iter().find(|i| i["name"] == name))
+                        .map_or("?".into(), |i| f(&i["avg_leaf_density"], 0))
+                };
+                t.add(
+                    "     after drain, pgstattuple: dead / live; free; leaf density",
+                    format!(
+                        "{} / {}; {}; {}% / {}%",
+                        exact["dead_tuples"],
+                        exact["live_tuples"],
+                        size(exact["free_bytes"].as_i64()),
+                        density("webhook_inbox_unprocessed"),
+                        density("webhook_inbox_pkey")
+                    ),
+                );
+            }
+            t.add(
+                "     after drain: heap / unprocessed idx / pkey",
+                format!(
+                    "{} / {} / {}",
+                    size(a["table_bytes"].as_i64()),
+                    size(crate::pg::index_bytes(a, "webhook_inbox_unprocessed")),
+                    size(crate::pg::index_bytes(a, "webhook_inbox_pkey"))
+                ),
+            );
+            t.add(
+                "     HOT updates / updates",
+                format!(
+                    "{} / {} ({}%)",
+                    v["hot_updates"],
+                    v["updates"],
+                    f(&json!(v["hot_update_ratio"].as_f64().map(|x| x * 100.0)), 0)
+                ),
+            );
+            t.add(
+                "     claim EXPLAIN (LIMIT 32) before / after drain",
+                format!("{} / {}", explain(&v["explain_claim_before"]), explain(&v["explain_claim_after"])),
+            );
+            t.add(
+                "     CPU µs per event: workers / postgres",
+                format!(
+                    "{} / {}",
+                    f(&v["cpu"]["worker_cpu_us_per_unit"], 0),
+                    f(&v["cpu"]["postgres_cpu_us_per_unit"], 0)
+                ),
+            );
+        };
+
+        for (p, v) in numeric(get("drain")) {
+            let eps = v["events_per_s"].as_f64().unwrap_or(0.0);
+            let row = t.add(
+                format!("c  drain {} rows, {p} worker proc × {}", v["queued_rows"], v["concurrency"]),
+                format!("{eps:.0} events/s"),
+            );
+            if let Some((base, name)) = &ref32 {
+                row.ratio = Some((eps / base, name.clone()));
+                row.target = "≥ 0.40".into();
+                row.ok = Some(eps / base >= 0.4);
+            }
+            drain_rows(&mut t, v);
+        }
+
+        let e = get("e2e");
+        if e.is_object() {
+            let rp = &e["receive_to_processed"];
+            let p99 = rp["p99_ms"].as_f64().unwrap_or(f64::NAN);
+            let row = t.add(
+                format!("d  end to end at {}/s: receive→processed p50 / p99", f(&e["target_rate"], 0)),
+                format!("{} / {p99:.1} ms", f(&rp["p50_ms"], 1)),
+            );
+            row.target = "p99 ≤ 100".into();
+            row.ok = Some(p99 <= 100.0);
+            t.add(
+                "     HTTP latency p50 / p99 (from the scheduled send)",
+                format!("{} / {} ms", f(&e["http_latency"]["p50_ms"], 1), f(&e["http_latency"]["p99_ms"], 1)),
+            );
+            let row = t.add(
+                "     non-2xx / unanswered; rows stored / 2xx",
+                format!("{} / {}; {} / {}", e["non_2xx"], e["unanswered"], e["rows_stored"], e["total_2xx"]),
+            );
+            row.target = "0 / 0; equal".into();
+            row.ok = Some(e["non_2xx"] == 0 && e["unanswered"] == 0 && e["rows_match_2xx"] == true);
+        }
+
+        let phases = get("phases");
+        let has_e = phases.as_array().is_some_and(|a| a.iter().any(|p| p == "e"));
+        if has_e {
+            for (bin, key) in [("inbox-ingest", "ingest"), ("inbox-worker", "worker")] {
+                let rss = &get("rss")[key];
+                if let Some(peak) = rss["peak_kib"].as_f64() {
+                    let row = t.add(
+                        format!("e  peak RSS {bin} (max of {})", rss["where"].as_str().unwrap_or("")),
+                        mib(peak),
+                    );
+                    row.target = "≤ 64 MiB".into();
+                    row.ok = Some(peak <= 64.0 * 1024.0);
+                }
+            }
+        }
+
+        let s = get("scale");
+        if s.is_object() {
+            let eps = s["events_per_s"].as_f64().unwrap_or(0.0);
+            let row = t.add(
+                format!("3  scale: {} processed + {} queued, 1 proc", s["history_rows"], s["queued_rows"]),
+                format!("{eps:.0} events/s"),
+            );
+            if let Some(base) = get("drain")["1"]["events_per_s"].as_f64() {
+                row.ratio = Some((eps / base, "c1".into()));
+                row.target = "≥ 0.90".into();
+                row.ok = Some(eps / base >= 0.9);
+            }
+            drain_rows(&mut t, s);
+        }
+
+        for (phase, err) in get("errors").as_object().into_iter().flatten() {
+            let msg: String =
+                err.as_str().unwrap_or("").lines().next().unwrap_or("").chars().take(60).collect();
+            let row = t.add(format!("!  phase {phase} FAILED"), msg);
+            row.ok = Some(false);
+        }
+        t
+    }
+
+    pub fn print(&self) {
+        let w0 = self.rows.iter().map(|r| r.figure.chars().count()).max().unwrap_or(6).max(6);
+        let w1 = self.rows.iter().map(|r| r.value.chars().count()).max().unwrap_or(5).max(5);
+        let ratio = |r: &Row| r.ratio.as_ref().map_or(String::new(), |(x, vs)| format!("{x:.2} × {vs}"));
+        let w2 = self.rows.iter().map(|r| ratio(r).chars().count()).max().unwrap_or(5).max(5);
+        let w3 = self.rows.iter().map(|r| r.target.chars().count()).max().unwrap_or(6).max(6);
+        let pad = |s: &str, w: usize| format!("{s}{}", " ".repeat(w.saturating_sub(s.chars().count())));
+        let lpad = |s: &str, w: usize| format!("{}{s}", " ".repeat(w.saturating_sub(s.chars().count())));
+        println!(
+            "{}  {}  {}  {}  ok",
+            pad("figure", w0),
+            lpad("value", w1),
+            pad("ratio", w2),
+            pad("target", w3)
+        );
+        println!("{}", "-".repeat(w0 + w1 + w2 + w3 + 12));
+        for r in &self.rows {
+            let ok = match r.ok {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "",
+            };
+            println!(
+                "{}  {}  {}  {}  {ok}",
+                pad(&r.figure, w0),
+                lpad(&r.value, w1),
+                pad(&ratio(r), w2),
+                pad(&r.target, w3)
+            );
+        }
+    }
+
+    pub fn json(&self) -> Value {
+        json!(self
+            .rows
+            .iter()
+            .map(|r| json!({
+                "figure": r.figure.trim(),
+                "value": r.value,
+                "ratio": r.ratio.as_ref().map(|x| x.0),
+                "ratio_to": r.ratio.as_ref().map(|x| x.1.clone()),
+                "target": r.target,
+                "ok": r.ok,
+            }))
+            .collect::<Vec<_>>())
+    }
+
+    pub fn any_missed(&self) -> bool {
+        self.rows.iter().any(|r| r.ok == Some(false))
+    }
+}
+
+/// The peak RSS (VmHWM) of each binary over the phases that ran it.
+pub fn rss_json(r: &serde_json::Map<String, Value>) -> Value {
+    let mut ingest = serde_json::Map::new();
+    let mut worker = serde_json::Map::new();
+    for (c, v) in r.get("ingest").and_then(|v| v.as_object()).into_iter().flatten() {
+        ingest.insert(format!("b{c}"), v["ingest_peak_rss_kib"].clone());
+    }
+    for (p, v) in r.get("drain").and_then(|v| v.as_object()).into_iter().flatten() {
+        let max = v["worker_peak_rss_kib"].as_array().and_then(|a| a.iter().filter_map(|x| x.as_u64()).max());
+        worker.insert(format!("c{p}"), json!(max));
+    }
+    if let Some(e) = r.get("e2e") {
+        ingest.insert("d".into(), e["ingest_peak_rss_kib"].clone());
+        worker.insert("d".into(), e["worker_peak_rss_kib"].clone());
+    }
+    if let Some(s) = r.get("scale") {
+        let max = s["worker_peak_rss_kib"].as_array().and_then(|a| a.iter().filter_map(|x| x.as_u64()).max());
+        worker.insert("scale".into(), json!(max));
+    }
+    let summary = |m: serde_json::Map<String, Value>| {
+        let peak = m.values().filter_map(|v| v.as_u64()).max();
+        let names: Vec<String> = m.keys().cloned().collect();
+        json!({ "peak_kib": peak, "where": names.join(", "), "by_run_kib": m })
+    };
+    json!({ "ingest": summary(ingest), "worker": summary(worker) })
+}
+
+/// The machine and PostgreSQL settings, as printed above the table.
+pub fn machine_lines(m: &Value) -> Vec<String> {
+    let pg = &m["postgres"];
+    let s = |k: &str| pg[k].as_str().unwrap_or("?").to_owned();
+    vec![
+        format!(
+            "machine: {} cores ({}), {:.1} GiB RAM, kernel {}, load average at start {}",
+            m["cores"],
+            m["cpu_model"].as_str().unwrap_or("?"),
+            m["memory_kib"].as_f64().unwrap_or(0.0) / 1024.0 / 1024.0,
+            m["kernel"].as_str().unwrap_or("?"),
+            m["load_average_start"].as_str().unwrap_or("?")
+        ),
+        format!(
+            "postgres {}: fsync={} synchronous_commit={} full_page_writes={} wal_sync_method={} commit_delay={} \
+             shared_buffers={} max_connections={}{}",
+            s("server_version"),
+            s("fsync"),
+            s("synchronous_commit"),
+            s("full_page_writes"),
+            s("wal_sync_method"),
+            s("commit_delay"),
+            s("shared_buffers"),
+            s("max_connections"),
+            if m["postgres_local"] == true { "" } else { " (not on this machine: no CPU figures)" }
+        ),
+        format!(
+            "build: git {}{}, binaries in {}",
+            m["git_commit"].as_str().unwrap_or("?"),
+            if m["git_dirty"] == true { " (uncommitted changes)" } else { "" },
+            m["bin_dir"].as_str().unwrap_or("?")
+        ),
+    ]
+}
