@@ -154,16 +154,26 @@ pub fn start_ingest(cmd: Command) -> (Proc, String) {
     (proc, format!("http://{listen}"))
 }
 
-/// A process's resident set size and its peak, in KiB (from /proc/<pid>/status).
-pub fn rss_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading /proc status");
+/// A process's resident set size and its peak (VmRSS, VmHWM) in KiB, from /proc/<pid>/status;
+/// None when the process is gone.
+pub fn rss_kib(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |name: &str| {
         status
             .lines()
             .find(|l| l.starts_with(name))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
     };
-    (field("VmRSS:"), field("VmHWM:"))
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Starts `inbox-worker run` (with `--metrics-listen 127.0.0.1:0`) and returns it with the
+/// address its metrics are served on, read from its "running" log line.
+pub fn start_worker_with_metrics(cmd: Command) -> (Proc, String) {
+    let proc = Proc::spawn(cmd);
+    let line = proc.wait_for_line("inbox-worker running", Duration::from_secs(30));
+    let log: serde_json::Value = serde_json::from_str(&line).expect("json log line");
+    let address = log["metrics"].as_str().expect("metrics field").to_owned();
+    (proc, address)
 }

@@ -164,7 +164,7 @@ where
         max_attempts = settings.max_attempts,
         lease_s = settings.lease.as_secs_f64(),
         statement_timeout_s = settings.limits.statement_timeout.as_secs_f64(),
-        metrics = ?metrics_server.as_ref().map(|(_, a)| a.to_string()),
+        metrics = %metrics_server.as_ref().map_or_else(|| "off".to_owned(), |(_, a)| a.to_string()),
         "inbox-worker running"
     );
     ready(metrics_server.as_ref().map(|(_, a)| *a)).await;

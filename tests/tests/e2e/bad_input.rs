@@ -126,12 +126,12 @@ async fn ten_thousand_unknown_endpoints_are_404s_without_memory_growth() {
     for i in 0..500 {
         assert_eq!(send(i).await, 404);
     }
-    let (warm, _) = rss_kib(proc.child.id());
+    let (warm, _) = rss_kib(proc.child.id()).expect("the ingest runs");
     for chunk in (500..10_000).collect::<Vec<_>>().chunks(50) {
         let statuses = futures_join(chunk.iter().map(|&i| send(i))).await;
         assert!(statuses.iter().all(|s| *s == 404));
     }
-    let (after, _) = rss_kib(proc.child.id());
+    let (after, _) = rss_kib(proc.child.id()).expect("the ingest runs");
     assert!(after < warm + 8 * 1024, "RSS grew from {warm} KiB to {after} KiB over 9500 unknown endpoints");
     let metrics = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     let unknown_series = metrics
@@ -180,7 +180,7 @@ async fn many_concurrent_oversized_bodies_keep_memory_bounded() {
     let statuses = futures_join(clients).await;
     let answered_413 = statuses.iter().filter(|s| s.starts_with("HTTP/1.1 413")).count();
     assert!(answered_413 >= 60, "{statuses:?}");
-    let (_, peak) = rss_kib(proc.child.id());
+    let (_, peak) = rss_kib(proc.child.id()).expect("the ingest runs");
     assert!(peak < 128 * 1024, "peak RSS {peak} KiB for 64 x 4 MiB attempted uploads");
     assert_eq!(db.count("webhook_inbox").await, 0);
 }

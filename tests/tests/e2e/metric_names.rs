@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use inbox_tests::events::{invoice_event, invoice_paid, sign, SECRET_A};
-use inbox_tests::process::{command, Proc};
+use inbox_tests::process::command;
 use inbox_tests::worker::{eventually, scalar, store_event};
 use inbox_tests::{spawn_app, TestDb};
 
@@ -103,11 +103,7 @@ async fn every_metric_the_alerts_and_the_dashboard_use_is_exported() {
         "--metrics-listen",
         "127.0.0.1:0",
     ]);
-    let worker = Proc::spawn(cmd);
-    let line = worker.wait_for_line("inbox-worker running", Duration::from_secs(30));
-    let log: serde_json::Value = serde_json::from_str(&line).unwrap();
-    let address =
-        log["metrics"].as_str().unwrap().trim_start_matches("Some(\"").trim_end_matches("\")").to_owned();
+    let (worker, address) = inbox_tests::process::start_worker_with_metrics(cmd);
     let http = inbox_tests::app::http_client();
     let scrape = || {
         let (http, address) = (http.clone(), address.clone());

@@ -217,11 +217,8 @@ async fn worker_metrics_report_outcomes_and_queue_gauges() {
         )
         .await
         .unwrap();
-    let proc = Proc::spawn(worker(&db, &["--metrics-listen", "127.0.0.1:0"]));
-    let line = proc.wait_for_line("inbox-worker running", Duration::from_secs(30));
-    let log: serde_json::Value = serde_json::from_str(&line).unwrap();
-    let address =
-        log["metrics"].as_str().unwrap().trim_start_matches("Some(\"").trim_end_matches("\")").to_owned();
+    let (_worker, address) =
+        inbox_tests::process::start_worker_with_metrics(worker(&db, &["--metrics-listen", "127.0.0.1:0"]));
     let http = inbox_tests::app::http_client();
     let scrape = || {
         let (http, address) = (http.clone(), address.clone());

@@ -51,18 +51,7 @@ pub fn r3(v: f64) -> f64 {
     (v * 1000.0).round() / 1000.0
 }
 
-/// (VmRSS, VmHWM) of a process in KiB, if it still exists.
-pub fn rss_kib(pid: u32) -> Option<(u64, u64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-    };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
-}
+pub use inbox_tests::process::rss_kib;
 
 /// utime + stime (and, with `children`, cutime + cstime) of a process, in ticks.
 fn proc_ticks(pid: u32, children: bool) -> Option<u64> {
