@@ -40,11 +40,16 @@ ON CONFLICT (id) DO UPDATE
    AND invoices.status <> 'void'
    AND NOT (invoices.status = 'paid' AND EXCLUDED.status = 'void')";
 
-/// `invoice.paid` step 1: upsert to `paid` unless already `paid` or `void` (seed 5.2), and read
-/// the status the invoice has afterwards, in one round trip. The row is locked by the upsert
-/// (updated or not), so the status stays true until commit. The second branch reads the
-/// statement's snapshot: it misses a row another transaction committed *during* this statement,
-/// and then no row comes back — [`STATUS_SQL`] reads it with a fresh snapshot.
+/// `invoice.paid`, in one round trip on the common path: upsert the invoice to `paid` unless it
+/// is already `paid` or `void` (seed 5.2); read the status it has afterwards; when that is
+/// `paid`, book the payment once (UNIQUE (invoice_id, kind) is the second line of defence against
+/// the same payment sent as two Event objects) and write the outbox row only when the booking is
+/// new — one statement, so status, ledger and outbox cannot disagree. Returns the status.
+///
+/// The row is locked by the upsert (updated or not), so the status stays true until commit. The
+/// second branch of `current` reads the statement's snapshot: it misses a row another
+/// transaction committed *during* this statement, and then no row comes back and nothing is
+/// booked — [`STATUS_SQL`] reads the status with a fresh snapshot and [`BOOK_PAYMENT_SQL`] books.
 pub const PAY_SQL: &str = "\
 WITH paid AS (
     INSERT INTO invoices (id, customer_id, status, amount_paid, paid_at)
@@ -56,17 +61,28 @@ WITH paid AS (
            updated_at = now()
      WHERE invoices.status NOT IN ('paid', 'void')
     RETURNING status
+), current AS (
+    SELECT status FROM paid
+    UNION ALL
+    SELECT status FROM invoices WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM paid)
+), booked AS (
+    INSERT INTO ledger_entries (invoice_id, kind, amount)
+    SELECT $1, 'payment', $3 FROM current WHERE status = 'paid'
+    ON CONFLICT (invoice_id, kind) DO NOTHING
+    RETURNING invoice_id, amount
+), announced AS (
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+    SELECT 'Invoice', invoice_id, 'InvoicePaymentBooked',
+           jsonb_build_object('invoice_id', invoice_id, 'amount', amount)
+      FROM booked
 )
-SELECT status FROM paid
-UNION ALL
-SELECT status FROM invoices WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM paid)";
+SELECT status FROM current";
 
-/// `invoice.paid` step 2, only when step 1 returned no row: the status, with a fresh snapshot.
+/// `invoice.paid`, only when [`PAY_SQL`] returned no row: the status, with a fresh snapshot.
 pub const STATUS_SQL: &str = "SELECT status FROM invoices WHERE id = $1";
 
-/// `invoice.paid` step 3: book the payment once (UNIQUE (invoice_id, kind) is the second line of
-/// defence against the same payment sent as two Event objects) and, only when the booking is
-/// new, write the outbox row — one statement, so they cannot disagree.
+/// `invoice.paid`, only when [`PAY_SQL`] returned no row and the fresh status is `paid`: book the
+/// payment once and, only when the booking is new, write the outbox row (as [`PAY_SQL`] does).
 pub const BOOK_PAYMENT_SQL: &str = "\
 WITH booked AS (
     INSERT INTO ledger_entries (invoice_id, kind, amount)
@@ -129,17 +145,20 @@ fn paid<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a>
             return Err(HandlerError::Payload("data.object.amount_paid is negative".into()));
         }
         let pay = tx.prepare_cached(PAY_SQL).await?;
-        let status: String = match tx.query_opt(&pay, &[&id, &customer, &amount]).await? {
-            Some(row) => row.get(0),
+        // `booked`: PAY_SQL ran the booking step itself (it does whenever it returns a row).
+        let (status, booked): (String, bool) = match tx.query_opt(&pay, &[&id, &customer, &amount]).await? {
+            Some(row) => (row.get(0), true),
             None => {
                 let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
-                tx.query_one(&status_stmt, &[&id]).await?.get(0)
+                (tx.query_one(&status_stmt, &[&id]).await?.get(0), false)
             }
         };
         match status.as_str() {
             "paid" => {
-                let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
-                tx.execute(&book, &[&id, &amount]).await?;
+                if !booked {
+                    let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
+                    tx.execute(&book, &[&id, &amount]).await?;
+                }
             }
             "void" => {
                 let reconcile = tx.prepare_cached(RECONCILE_SQL).await?;
