@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use futures_util::FutureExt as _;
-use inbox_domain::handlers::{describe_db_error, InboxEvent, Registry};
+use inbox_domain::handlers::{describe_db_error, Handler, InboxEvent, Registry};
 use inbox_domain::store::{self, Claimed, InboxKey};
+use tokio_postgres::types::ToSql;
 
 /// What running one event came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,9 +143,10 @@ enum Pass {
     NeedsSavepoints,
 }
 
-/// Runs a batch optimistically first — without savepoints, two round trips per event fewer —
-/// and only when an event fails, rolls back and redoes the batch with a savepoint per event, so
-/// that the failure is isolated. Failures are rare; the common path pays nothing for isolation.
+/// Runs a batch optimistically first — without savepoints, every event's statements pipelined
+/// on the connection — and only when an event fails, rolls back and redoes the batch one event
+/// at a time with a savepoint each, so that the failure is isolated. Failures are rare; the
+/// common path pays nothing for isolation.
 async fn run_transaction(
     conn: &mut Conn,
     registry: &Registry,
@@ -160,6 +162,32 @@ async fn run_transaction(
     }
 }
 
+/// What a pass does with one claimed row.
+enum Step {
+    /// Not returned by the lock query: processed by another worker meanwhile.
+    Gone,
+    /// No handler for its type: marked processed with no effect.
+    Ignore,
+    /// Its handler runs.
+    Run(Handler, InboxEvent),
+}
+
+impl Step {
+    /// The outcome when the step's transaction committed.
+    fn outcome(&self) -> Outcome {
+        match self {
+            Step::Gone => Outcome::AlreadyProcessed,
+            Step::Ignore => Outcome::Ignored,
+            Step::Run(..) => Outcome::Processed,
+        }
+    }
+}
+
+/// One pass over the batch in a new transaction. Round trips on the optimistic path (no
+/// savepoints): BEGIN; the limits and the row locks (pipelined); every handler's statements and
+/// the processed mark (pipelined: tokio-postgres sends requests polled together in one write, and
+/// the server runs them in order); COMMIT. A handler needing a second statement (a rare branch)
+/// adds a round trip for the batch, not per event.
 async fn run_pass(
     conn: &mut Conn,
     registry: &Registry,
@@ -170,16 +198,15 @@ async fn run_pass(
     let client = conn.client();
     let mut tx = client.transaction().await?;
     let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await?;
-    tx.execute(
-        &limits_stmt,
-        &[&millis(limits.statement_timeout), &millis(limits.lock_timeout), &millis(limits.idle_timeout)],
-    )
-    .await?;
-    let (providers, endpoints, ids) = store::key_columns(claimed.iter().map(|c| &c.key));
     let lock = tx.prepare_cached(store::LOCK_FOR_PROCESSING_SQL).await?;
-    let mut locked: HashMap<InboxKey, InboxEvent> = tx
-        .query(&lock, &[&providers, &endpoints, &ids])
-        .await?
+    let (statement_timeout, lock_timeout, idle_timeout) =
+        (millis(limits.statement_timeout), millis(limits.lock_timeout), millis(limits.idle_timeout));
+    let (providers, endpoints, ids) = store::key_columns(claimed.iter().map(|c| &c.key));
+    let limits_params: [&(dyn ToSql + Sync); 3] = [&statement_timeout, &lock_timeout, &idle_timeout];
+    let lock_params: [&(dyn ToSql + Sync); 3] = [&providers, &endpoints, &ids];
+    let (_, rows) =
+        tokio::try_join!(tx.execute(&limits_stmt, &limits_params), tx.query(&lock, &lock_params))?;
+    let mut locked: HashMap<InboxKey, InboxEvent> = rows
         .into_iter()
         .map(|row| {
             let event = InboxEvent {
@@ -197,35 +224,68 @@ async fn run_pass(
             (key, event)
         })
         .collect();
+    let steps: Vec<Step> = claimed
+        .iter()
+        .map(|row| match locked.remove(&row.key) {
+            None => Step::Gone,
+            Some(event) => match registry.get(&event.event_type) {
+                None => Step::Ignore,
+                Some(handler) => Step::Run(handler, event),
+            },
+        })
+        .collect();
+    let done: Vec<&InboxKey> = claimed
+        .iter()
+        .zip(&steps)
+        .filter(|(_, step)| !matches!(step, Step::Gone))
+        .map(|(c, _)| &c.key)
+        .collect();
+    let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
+
+    if !savepoints {
+        let runs = steps.iter().filter_map(|step| match step {
+            Step::Run(handler, event) => Some(AssertUnwindSafe(handler(&tx, event)).catch_unwind()),
+            _ => None,
+        });
+        let (providers, endpoints, ids) = store::key_columns(done.iter().copied());
+        let mark_all = async {
+            if done.is_empty() {
+                return Ok(0);
+            }
+            tx.execute(&mark, &[&providers, &endpoints, &ids]).await
+        };
+        // Handlers first: their first statements are queued before the mark.
+        let (results, marked) = tokio::join!(futures_util::future::join_all(runs), mark_all);
+        let failure = results.into_iter().find_map(|result| match result {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(panic) => Some(format!("handler panicked: {}", panic_message(&panic))),
+        });
+        let Some(failure) = failure else {
+            marked?;
+            if done.is_empty() {
+                tx.rollback().await?;
+            } else {
+                tx.commit().await?;
+            }
+            return Ok(Pass::Done(steps.iter().map(Step::outcome).collect()));
+        };
+        tx.rollback().await?;
+        if claimed.len() > 1 {
+            return Ok(Pass::NeedsSavepoints);
+        }
+        // A batch of one needs no savepoint: its rollback isolated the failure already.
+        return Ok(Pass::Done(vec![Outcome::Failed(failure)]));
+    }
 
     let mut outcomes = Vec::with_capacity(claimed.len());
-    for row in claimed {
-        let Some(event) = locked.remove(&row.key) else {
-            outcomes.push(Outcome::AlreadyProcessed);
+    for step in &steps {
+        let Step::Run(handler, event) = step else {
+            outcomes.push(step.outcome());
             continue;
         };
-        let Some(handler) = registry.get(&event.event_type) else {
-            outcomes.push(Outcome::Ignored);
-            continue;
-        };
-        if !savepoints {
-            let failure = match AssertUnwindSafe(handler(&tx, &event)).catch_unwind().await {
-                Ok(Ok(())) => {
-                    outcomes.push(Outcome::Processed);
-                    continue;
-                }
-                Ok(Err(e)) => e.to_string(),
-                Err(panic) => format!("handler panicked: {}", panic_message(&panic)),
-            };
-            tx.rollback().await?;
-            if claimed.len() > 1 {
-                return Ok(Pass::NeedsSavepoints);
-            }
-            // A batch of one needs no savepoint: its rollback isolated the failure already.
-            return Ok(Pass::Done(vec![Outcome::Failed(failure)]));
-        }
         let savepoint = tx.savepoint("event").await?;
-        let result = AssertUnwindSafe(handler(&savepoint, &event)).catch_unwind().await;
+        let result = AssertUnwindSafe(handler(&savepoint, event)).catch_unwind().await;
         outcomes.push(match result {
             Ok(Ok(())) => {
                 savepoint.commit().await?;
@@ -241,7 +301,6 @@ async fn run_pass(
             }
         });
     }
-
     let done: Vec<&InboxKey> = claimed
         .iter()
         .zip(&outcomes)
@@ -252,7 +311,6 @@ async fn run_pass(
         tx.rollback().await?;
     } else {
         let (providers, endpoints, ids) = store::key_columns(done.into_iter());
-        let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
         tx.execute(&mark, &[&providers, &endpoints, &ids]).await?;
         tx.commit().await?;
     }
