@@ -6,7 +6,7 @@ use inbox_worker::Cli;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     inbox_domain::config::init_tracing(cli.global.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("inbox-worker: error: cannot start the runtime: {e}");
