@@ -71,6 +71,7 @@ pub fn pool(db: &TestDb, size: usize) -> deadpool_postgres::Pool {
             timeout: Duration::from_secs(10),
             application_name: "inbox-test",
             statement_timeout: None,
+            verify_on_checkout: true,
         },
     )
     .unwrap()

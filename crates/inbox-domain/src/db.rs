@@ -17,6 +17,12 @@ pub struct PoolOptions {
     pub application_name: &'static str,
     /// Server-side `statement_timeout` for every statement of these sessions (None: server default).
     pub statement_timeout: Option<Duration>,
+    /// Run an empty query on every checkout (`Verified` recycling) instead of only checking that
+    /// the connection is not known to be closed (`Fast`). Verified notices a connection the
+    /// network dropped silently before it is used, at one round trip per checkout; callers that
+    /// bound every use with their own deadline and discard a connection after any error can
+    /// skip it.
+    pub verify_on_checkout: bool,
 }
 
 /// Parses a `DATABASE_URL` (URL or key=value form). The error never repeats the URL, which may
@@ -28,9 +34,9 @@ pub fn parse_database_url(url: &str) -> anyhow::Result<tokio_postgres::Config> {
 
 /// Builds a pool. Connections are opened lazily; call [`check_reachable`] to fail fast at start-up.
 ///
-/// Recycling is `Verified`: an empty query on every checkout, so a connection the server closed
-/// (restart, `pg_terminate_backend`, network cut) is noticed and replaced instead of failing the
-/// next request; the service recovers by itself when the database returns.
+/// A connection the server closed (restart, `pg_terminate_backend`) is replaced at checkout, so
+/// the service recovers by itself when the database returns; with `verify_on_checkout` also one
+/// the network dropped without a word (see [`PoolOptions::verify_on_checkout`]).
 pub fn build_pool(mut pg: tokio_postgres::Config, opts: &PoolOptions) -> anyhow::Result<Pool> {
     pg.application_name(opts.application_name);
     if pg.get_connect_timeout().is_none() {
@@ -41,8 +47,9 @@ pub fn build_pool(mut pg: tokio_postgres::Config, opts: &PoolOptions) -> anyhow:
     }
     pg.keepalives(true);
     pg.keepalives_idle(Duration::from_secs(30));
-    let manager =
-        Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Verified });
+    let recycling_method =
+        if opts.verify_on_checkout { RecyclingMethod::Verified } else { RecyclingMethod::Fast };
+    let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method });
     Pool::builder(manager)
         .max_size(opts.max_size)
         .wait_timeout(Some(opts.timeout))

@@ -85,6 +85,7 @@ impl Application {
                 timeout: settings.db_timeout,
                 application_name: "inbox-ingest",
                 statement_timeout: Some(settings.db_timeout),
+                verify_on_checkout: true,
             },
         )?;
         check_reachable(&pool).await?;

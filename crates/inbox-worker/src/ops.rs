@@ -751,6 +751,7 @@ pub async fn replay(database: &tokio_postgres::Config, args: &ReplayArgs) -> any
             timeout: Duration::from_secs(10),
             application_name: OPS_APPLICATION_NAME,
             statement_timeout: None,
+            verify_on_checkout: true,
         },
     )?;
     let mut client = pool

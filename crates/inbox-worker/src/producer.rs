@@ -23,6 +23,10 @@ pub struct Context {
     pub limits: Limits,
     pub max_attempts: i32,
     pub lease: Duration,
+    /// Bound on each claim, failure record and hand-back. The pool does not verify connections
+    /// at checkout, so a connection the network dropped silently fails by this deadline (and is
+    /// discarded) instead of hanging the producer.
+    pub db_timeout: Duration,
     pub metrics: Metrics,
     /// Cancelled at the first stop signal: no new claims, unstarted rows are handed back.
     pub shutdown: CancellationToken,
@@ -98,12 +102,19 @@ pub async fn run(
 }
 
 async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
-    let mut conn = Conn::get(&ctx.pool).await?;
-    let rows = store::claim(&*conn.client(), ctx.max_attempts, want as i64, ctx.lease)
+    let claim = async {
+        let mut conn = Conn::get(&ctx.pool).await?;
+        let rows = store::claim(&*conn.client(), ctx.max_attempts, want as i64, ctx.lease)
+            .await
+            .map_err(|e| inbox_domain::handlers::describe_db_error(&e))?;
+        conn.set_clean(true);
+        Ok(rows)
+    };
+    // On timeout the connection is dropped unclean, so discarded; a claim that committed
+    // meanwhile leaves its rows leased until the lease expires.
+    tokio::time::timeout(ctx.db_timeout, claim)
         .await
-        .map_err(|e| inbox_domain::handlers::describe_db_error(&e))?;
-    conn.set_clean(true);
-    Ok(rows)
+        .unwrap_or_else(|_| Err(format!("claiming took longer than {:?}", ctx.db_timeout)))
 }
 
 /// Runs one claimed batch: hands it back if shutdown began before it started, else executes it
@@ -119,7 +130,12 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
     if ctx.shutdown.is_cancelled() {
         conn.set_clean(true);
         drop(conn);
-        let handed = completer::hand_back(&ctx.pool, &claimed).await;
+        let handed = tokio::time::timeout(ctx.db_timeout, completer::hand_back(&ctx.pool, &claimed))
+            .await
+            .unwrap_or_else(|_| {
+                tracing::warn!(rows = claimed.len(), "handing back timed out: the leases will expire");
+                0
+            });
         for _ in 0..handed {
             ctx.metrics.event("handed_back");
         }
@@ -165,9 +181,13 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
                 });
             }
             Outcome::Failed(error) => {
-                let record = completer::record_failure(&ctx.pool, conn.take(), row, &error, ctx.max_attempts)
-                    .instrument(span.clone())
-                    .await;
+                let record = tokio::time::timeout(
+                    ctx.db_timeout,
+                    completer::record_failure(&ctx.pool, conn.take(), row, &error, ctx.max_attempts)
+                        .instrument(span.clone()),
+                )
+                .await
+                .unwrap_or(FailureRecord::NotRecorded);
                 let label = match record {
                     FailureRecord::Parked => "parked",
                     _ => "failed",

@@ -126,14 +126,19 @@ where
     F: FnOnce(Option<SocketAddr>) -> Fut,
     Fut: Future<Output = ()>,
 {
+    let db_timeout = settings.limits.statement_timeout.max(Duration::from_secs(5));
     let pool = build_pool(
         settings.database.clone(),
         &PoolOptions {
             // One per event in flight, plus claims, failure records and gauges.
             max_size: settings.concurrency + 2,
-            timeout: settings.limits.statement_timeout.max(Duration::from_secs(5)),
+            timeout: db_timeout,
             application_name: "inbox-worker",
             statement_timeout: None,
+            // Every use below is bounded by a deadline (`Context::db_timeout`, the executor's
+            // `Limits::deadline`) and a connection is discarded after any error, so the round
+            // trip a verification costs on every checkout buys nothing here.
+            verify_on_checkout: false,
         },
     )?;
     check_reachable(&pool).await?;
@@ -175,6 +180,7 @@ where
         limits: settings.limits,
         max_attempts: settings.max_attempts,
         lease: settings.lease,
+        db_timeout,
         metrics,
         shutdown: shutdown.clone(),
     });
@@ -211,16 +217,19 @@ async fn refresh_gauges(
     stop: CancellationToken,
 ) {
     loop {
-        if let Ok(client) = pool.get().await {
-            match crate::ops::queue_gauges(&**client, max_attempts).await {
-                Ok(g) => {
-                    metrics.unprocessed.set(g.unprocessed);
-                    metrics.ready.set(g.ready);
-                    metrics.needs_review.set(g.needs_review);
-                    metrics.oldest_unprocessed_age_seconds.set(g.oldest_unprocessed_age_seconds);
-                }
-                Err(e) => tracing::debug!(error = %e, "refreshing queue gauges failed"),
+        let refresh = async {
+            let client = pool.get().await.map_err(|e| inbox_domain::db::describe_pool_error(&e))?;
+            crate::ops::queue_gauges(&**client, max_attempts).await.map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(metrics::GAUGE_INTERVAL, refresh).await {
+            Ok(Ok(g)) => {
+                metrics.unprocessed.set(g.unprocessed);
+                metrics.ready.set(g.ready);
+                metrics.needs_review.set(g.needs_review);
+                metrics.oldest_unprocessed_age_seconds.set(g.oldest_unprocessed_age_seconds);
             }
+            Ok(Err(e)) => tracing::debug!(error = %e, "refreshing queue gauges failed"),
+            Err(_) => tracing::debug!("refreshing queue gauges timed out"),
         }
         tokio::select! {
             _ = stop.cancelled() => return,

@@ -392,6 +392,7 @@ fn fifty_events_over_four_concurrent_workers_are_each_booked_once_in_one_attempt
                             timeout: Duration::from_secs(10),
                             application_name: "inbox-test",
                             statement_timeout: None,
+                            verify_on_checkout: true,
                         },
                     )
                     .unwrap();
