@@ -58,9 +58,10 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub concurrency: u32,
 
-    /// Events claimed and processed per transaction, each in its own savepoint (capped at
-    /// --concurrency). Larger batches mean fewer commits per event.
-    #[arg(long, env = "INBOX_WORKER_BATCH", default_value_t = 8,
+    /// Events claimed and processed per transaction (capped at --concurrency). Larger batches
+    /// mean fewer commits, statements and PostgreSQL CPU per event; --concurrency / --batch-size
+    /// transactions run at once.
+    #[arg(long, env = "INBOX_WORKER_BATCH", default_value_t = 32,
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub batch_size: u32,
 

@@ -84,8 +84,9 @@ pub struct Args {
     /// Worker process counts of the drain (c).
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     drain_processes: Vec<usize>,
-    /// `inbox-worker run --concurrency` in (c), (d) and scale.
-    #[arg(long, default_value_t = 32)]
+    /// `inbox-worker run --concurrency` in (c), (d) and scale: with the default --batch-size of
+    /// 32, four transactions in flight per process.
+    #[arg(long, default_value_t = 128)]
     worker_concurrency: usize,
     /// `inbox-worker run --poll-interval` in the drains (c, scale).
     #[arg(long, default_value = "50ms")]
