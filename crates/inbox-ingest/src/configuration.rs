@@ -46,7 +46,8 @@ pub struct Cli {
     #[arg(long, env = "INBOX_MAX_BODY", default_value = "1MiB", value_parser = parse_byte_size)]
     pub max_body: u64,
 
-    /// Most database connections [default: 8 per core, at least 16].
+    /// Most database connections: all but two are group-commit writers [default: 2 per core + 2,
+    /// at least 6].
     #[arg(long, env = "INBOX_POOL_SIZE")]
     pub pool_size: Option<usize>,
 
@@ -121,9 +122,11 @@ impl Cli {
     }
 }
 
-/// Eight connections per core, at least 16: enough to keep PostgreSQL's commit pipeline full
-/// while requests wait on fsync, without exhausting a small server's `max_connections`.
+/// Two writers per core (at least four) plus two connections for readiness checks and the
+/// workers' wake-up. Every writer has a batch in flight: enough writers keep PostgreSQL's commit
+/// pipeline full while one batch waits on fsync, and fewer make each batch bigger — on 2 cores,
+/// 14 writers gave 4900 req/s at 32 connections and 4 gave 6200 (docs/performance.md).
 pub fn default_pool_size() -> usize {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
-    (cores * 8).max(16)
+    (cores * 2).max(4) + 2
 }
