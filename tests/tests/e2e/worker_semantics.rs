@@ -352,6 +352,61 @@ async fn a_payment_on_a_voided_invoice_books_nothing_and_asks_a_person() {
     assert_eq!(status, "void");
 }
 
+/// `invoice.paid` whose upsert waits on another transaction's uncommitted insert of the same
+/// invoice: the payment statement's snapshot predates that commit, so it finds no status and the
+/// handler reads it again with a fresh snapshot. A void committed meanwhile → a reconciliation
+/// item and no booking; a payment booked meanwhile (a second Event object) → still one booking.
+#[tokio::test]
+async fn a_payment_racing_a_concurrent_insert_of_its_invoice_acts_on_the_committed_status() {
+    for (other_status, ledger, reconciliation) in [("void", 0, 1), ("paid", 1, 0)] {
+        let db = TestDb::new().await;
+        let client = db.client().await;
+        let pool = pool(&db, 2);
+        store_event(&client, "billing", &invoice_paid("evt_p", "in_1", 100)).await;
+        let row = claim(&pool, 1, LEASE, 10).await.remove(0);
+        let other = db.client().await;
+        other.batch_execute("BEGIN").await.unwrap();
+        other
+            .execute(
+                "INSERT INTO invoices (id, customer_id, status) VALUES ('in_1', 'cus_1', $1)",
+                &[&other_status],
+            )
+            .await
+            .unwrap();
+        if other_status == "paid" {
+            other
+                .batch_execute(
+                    "INSERT INTO ledger_entries (invoice_id, kind, amount) VALUES ('in_1', 'payment', 100)",
+                )
+                .await
+                .unwrap();
+        }
+        let p = pool.clone();
+        let processing = tokio::spawn(async move {
+            execute(&p, &invoices(), &row, &test_limits(Duration::from_secs(10))).await
+        });
+        // Commit only once the worker's upsert waits on the uncommitted invoice row.
+        let waiting = "SELECT count(*) FROM pg_stat_activity
+                        WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while scalar(&client, waiting).await == 0 {
+            assert!(std::time::Instant::now() < deadline, "the worker never waited on the invoice");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        other.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(processing.await.unwrap(), Outcome::Processed, "{other_status}");
+        assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, ledger, "{other_status}");
+        assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 0, "{other_status}");
+        assert_eq!(
+            scalar(&client, "SELECT count(*) FROM reconciliation_items").await,
+            reconciliation,
+            "{other_status}"
+        );
+        let status: String = client.query_one("SELECT status FROM invoices", &[]).await.unwrap().get(0);
+        assert_eq!(status, other_status);
+    }
+}
+
 /// Seed: the same event on two endpoints → both processed (and still one booking).
 #[tokio::test]
 async fn the_same_event_on_two_endpoints_is_processed_on_both() {
