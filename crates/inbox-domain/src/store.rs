@@ -90,10 +90,13 @@ pub struct Claimed {
 /// poison row stops at the limit.
 ///
 /// Oldest availability first; `ORDER BY` inside the locking subquery keeps the scan on the
-/// partial index `webhook_inbox_unprocessed`.
+/// partial index `webhook_inbox_unprocessed`. The update finds the locked rows by `ctid` (a TID
+/// scan) instead of a second primary-key lookup per row: a locked row cannot move. A row another
+/// session updated and committed after this statement's snapshot comes out of the lock as its
+/// new version, which that snapshot cannot see: it is left unclaimed this time and stays ready.
 pub const CLAIM_SQL: &str = "\
 WITH picked AS (
-    SELECT provider, endpoint, event_id
+    SELECT ctid
       FROM webhook_inbox
      WHERE processed_at IS NULL
        AND available_at <= now()
@@ -106,7 +109,7 @@ UPDATE webhook_inbox AS w
    SET attempts = w.attempts + 1,
        available_at = now() + make_interval(secs => $3)
   FROM picked
- WHERE (w.provider, w.endpoint, w.event_id) = (picked.provider, picked.endpoint, picked.event_id)
+ WHERE w.ctid = picked.ctid
 RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at";
 
 /// Runs [`CLAIM_SQL`].
@@ -144,9 +147,10 @@ SELECT set_config('statement_timeout', $1, true),
 /// wait is bounded by lock_timeout. Rows in a stable order, so two transactions that share rows
 /// (possible only after a lease expired) lock them in the same order instead of deadlocking.
 /// A claimed row missing from the result was processed by another worker meanwhile (our lease
-/// had expired and it was taken): we do nothing with it.
+/// had expired and it was taken): we do nothing with it. Also returns each row's `ctid` (as
+/// text), which stays valid while this transaction holds the lock: [`MARK_PROCESSED_SQL`] uses it.
 pub const LOCK_FOR_PROCESSING_SQL: &str = "\
-SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload
+SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
   FROM webhook_inbox AS w
   JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(provider, endpoint, event_id)
        ON (w.provider, w.endpoint, w.event_id) = (k.provider, k.endpoint, k.event_id)
@@ -154,12 +158,14 @@ SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload
  ORDER BY w.provider, w.endpoint, w.event_id
    FOR UPDATE OF w";
 
-/// Marks rows processed (`$1..$3`: arrays of provider, endpoint, event_id) in the handlers'
-/// transaction: each effect and its mark commit together or not at all.
+/// Marks rows processed in the handlers' transaction, so each effect and its mark commit together
+/// or not at all. `$1`: the rows' `ctid`s (text) as [`LOCK_FOR_PROCESSING_SQL`] returned them in
+/// this same transaction — the rows are locked since, so they are still there (a TID scan instead
+/// of a primary-key lookup per row).
 pub const MARK_PROCESSED_SQL: &str = "\
 UPDATE webhook_inbox
    SET processed_at = now(), last_error = NULL
- WHERE (provider, endpoint, event_id) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))";
+ WHERE ctid = ANY($1::text[]::tid[])";
 
 /// Splits keys into the three column arrays the batch statements take.
 pub fn key_columns<'a>(

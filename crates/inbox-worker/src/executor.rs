@@ -206,7 +206,8 @@ async fn run_pass(
     let lock_params: [&(dyn ToSql + Sync); 3] = [&providers, &endpoints, &ids];
     let (_, rows) =
         tokio::try_join!(tx.execute(&limits_stmt, &limits_params), tx.query(&lock, &lock_params))?;
-    let mut locked: HashMap<InboxKey, InboxEvent> = rows
+    // Each locked row: its event and its ctid (for the processed mark).
+    let mut locked: HashMap<InboxKey, (InboxEvent, String)> = rows
         .into_iter()
         .map(|row| {
             let event = InboxEvent {
@@ -221,24 +222,25 @@ async fn run_pass(
                 endpoint: event.endpoint.clone(),
                 event_id: event.event_id.clone(),
             };
-            (key, event)
+            (key, (event, row.get(5)))
         })
         .collect();
+    let mut ctids = Vec::with_capacity(claimed.len());
     let steps: Vec<Step> = claimed
         .iter()
         .map(|row| match locked.remove(&row.key) {
-            None => Step::Gone,
-            Some(event) => match registry.get(&event.event_type) {
-                None => Step::Ignore,
-                Some(handler) => Step::Run(handler, event),
-            },
+            None => {
+                ctids.push(None);
+                Step::Gone
+            }
+            Some((event, ctid)) => {
+                ctids.push(Some(ctid));
+                match registry.get(&event.event_type) {
+                    None => Step::Ignore,
+                    Some(handler) => Step::Run(handler, event),
+                }
+            }
         })
-        .collect();
-    let done: Vec<&InboxKey> = claimed
-        .iter()
-        .zip(&steps)
-        .filter(|(_, step)| !matches!(step, Step::Gone))
-        .map(|(c, _)| &c.key)
         .collect();
     let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
 
@@ -247,12 +249,12 @@ async fn run_pass(
             Step::Run(handler, event) => Some(AssertUnwindSafe(handler(&tx, event)).catch_unwind()),
             _ => None,
         });
-        let (providers, endpoints, ids) = store::key_columns(done.iter().copied());
+        let done: Vec<&str> = ctids.iter().flatten().map(String::as_str).collect();
         let mark_all = async {
             if done.is_empty() {
                 return Ok(0);
             }
-            tx.execute(&mark, &[&providers, &endpoints, &ids]).await
+            tx.execute(&mark, &[&done]).await
         };
         // Handlers first: their first statements are queued before the mark.
         let (results, marked) = tokio::join!(futures_util::future::join_all(runs), mark_all);
@@ -301,17 +303,16 @@ async fn run_pass(
             }
         });
     }
-    let done: Vec<&InboxKey> = claimed
+    let done: Vec<&str> = ctids
         .iter()
         .zip(&outcomes)
         .filter(|(_, o)| matches!(o, Outcome::Processed | Outcome::Ignored))
-        .map(|(c, _)| &c.key)
+        .filter_map(|(ctid, _)| ctid.as_deref())
         .collect();
     if done.is_empty() {
         tx.rollback().await?;
     } else {
-        let (providers, endpoints, ids) = store::key_columns(done.into_iter());
-        tx.execute(&mark, &[&providers, &endpoints, &ids]).await?;
+        tx.execute(&mark, &[&done]).await?;
         tx.commit().await?;
     }
     Ok(Pass::Done(outcomes))
