@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use futures_util::FutureExt as _;
-use inbox_domain::handlers::{describe_db_error, Handler, InboxEvent, Registry};
+use inbox_domain::handlers::{describe_db_error, BatchHandler, Handler, InboxEvent, Registry};
 use inbox_domain::store::{self, Claimed, InboxKey};
 use tokio_postgres::types::ToSql;
 
@@ -183,11 +183,53 @@ impl Step {
     }
 }
 
+/// What the optimistic pass runs, in the order of the batch: one event with its handler, or every
+/// event of a type that has a set-based handler (two or more of them), at its first event's place.
+enum Unit<'e> {
+    One(Handler, &'e InboxEvent),
+    Set(BatchHandler, Vec<&'e InboxEvent>),
+}
+
+fn units<'e>(registry: &Registry, steps: &'e [Step]) -> Vec<Unit<'e>> {
+    let mut units = Vec::new();
+    // Per type with a set-based handler: its unit's index, and the per-event handler.
+    let mut sets: HashMap<&str, (usize, Handler)> = HashMap::new();
+    for step in steps {
+        let Step::Run(handler, event) = step else { continue };
+        let Some(batch) = registry.get_batch(&event.event_type) else {
+            units.push(Unit::One(*handler, event));
+            continue;
+        };
+        match sets.get(event.event_type.as_str()) {
+            Some(&(i, _)) => {
+                if let Unit::Set(_, events) = &mut units[i] {
+                    events.push(event);
+                }
+            }
+            None => {
+                sets.insert(&event.event_type, (units.len(), *handler));
+                units.push(Unit::Set(batch, vec![event]));
+            }
+        }
+    }
+    // A set of one runs the per-event handler.
+    for (i, handler) in sets.into_values() {
+        if let Unit::Set(_, events) = &units[i] {
+            if let [event] = events[..] {
+                units[i] = Unit::One(handler, event);
+            }
+        }
+    }
+    units
+}
+
 /// One pass over the batch in a new transaction. Round trips on the optimistic path (no
 /// savepoints): BEGIN; the limits and the row locks (pipelined); every handler's statements and
 /// the processed mark (pipelined: tokio-postgres sends requests polled together in one write, and
-/// the server runs them in order); COMMIT. A handler needing a second statement (a rare branch)
-/// adds a round trip for the batch, not per event.
+/// the server runs them in order); COMMIT. Events of a type with a set-based handler run as one
+/// set (one statement for `invoice.paid`). A handler needing a second statement (a rare branch)
+/// adds a round trip for the batch, not per event. The savepoint pass runs the per-event
+/// handlers, one event at a time.
 async fn run_pass(
     conn: &mut Conn,
     registry: &Registry,
@@ -245,9 +287,13 @@ async fn run_pass(
     let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
 
     if !savepoints {
-        let runs = steps.iter().filter_map(|step| match step {
-            Step::Run(handler, event) => Some(AssertUnwindSafe(handler(&tx, event)).catch_unwind()),
-            _ => None,
+        let units = units(registry, &steps);
+        let runs = units.iter().map(|unit| {
+            let run = match unit {
+                Unit::One(handler, event) => handler(&tx, event),
+                Unit::Set(handler, events) => handler(&tx, events),
+            };
+            AssertUnwindSafe(run).catch_unwind()
         });
         let done: Vec<&str> = ctids.iter().flatten().map(String::as_str).collect();
         let mark_all = async {

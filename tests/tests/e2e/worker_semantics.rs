@@ -407,6 +407,104 @@ async fn a_payment_racing_a_concurrent_insert_of_its_invoice_acts_on_the_committ
     }
 }
 
+/// The set-based `invoice.paid` handler has the effect of the per-event one run on each event in
+/// order. One batch — a new invoice, the same payment as a second Event object, an open invoice,
+/// an invoice already paid and booked, a void invoice paid by two events, an invoice paid twice
+/// with different amounts — is processed in one transaction in one database and one event at a
+/// time in another: the business tables come out identical, and as expected.
+#[tokio::test]
+async fn a_batch_of_payments_has_the_effect_of_paying_one_event_at_a_time() {
+    let events = [
+        invoice_paid("evt_1", "in_new", 100),
+        invoice_paid("evt_2", "in_new", 100),
+        invoice_paid("evt_3", "in_open", 200),
+        invoice_paid("evt_4", "in_paid", 300),
+        invoice_paid("evt_5", "in_void", 400),
+        invoice_paid("evt_6", "in_void", 400),
+        invoice_paid("evt_7", "in_twice", 500),
+        invoice_paid("evt_8", "in_twice", 999),
+    ];
+    let prepare = |db: TestDb| async {
+        let client = db.client().await;
+        client
+            .batch_execute(
+                "INSERT INTO invoices (id, customer_id, status) VALUES ('in_open', 'cus_1', 'open'), ('in_void', 'cus_1', 'void');
+                 INSERT INTO invoices (id, customer_id, status, amount_paid) VALUES ('in_paid', 'cus_1', 'paid', 300);
+                 INSERT INTO ledger_entries (invoice_id, kind, amount) VALUES ('in_paid', 'payment', 300);",
+            )
+            .await
+            .unwrap();
+        for body in &events {
+            store_event(&client, "billing", body).await;
+        }
+        (db, client)
+    };
+    let (batched_db, batched) = prepare(TestDb::new().await).await;
+    let pool_a = pool(&batched_db, 2);
+    let claimed = claim(&pool_a, 100, LEASE, 10).await;
+    assert_eq!(claimed.len(), events.len());
+    let mut conn = inbox_worker::executor::Conn::get(&pool_a).await.unwrap();
+    let outcomes = inbox_worker::executor::execute_batch(
+        &mut conn,
+        &invoices(),
+        &claimed,
+        &test_limits(Duration::from_secs(5)),
+    )
+    .await;
+    assert!(outcomes.iter().all(|o| *o == Outcome::Processed), "{outcomes:?}");
+
+    let (single_db, single) = prepare(TestDb::new().await).await;
+    let outcomes = drain(&pool(&single_db, 2), &invoices()).await;
+    assert!(
+        outcomes.len() == events.len() && outcomes.iter().all(|o| *o == Outcome::Processed),
+        "{outcomes:?}"
+    );
+
+    async fn rows(client: &tokio_postgres::Client, sql: &str) -> Vec<String> {
+        client
+            .simple_query(sql)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => {
+                    Some((0..row.len()).map(|i| row.get(i).unwrap_or("NULL")).collect::<Vec<_>>().join("|"))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+    let expected: [(&str, &[&str]); 4] = [
+        (
+            "SELECT id, status, amount_paid, paid_at IS NOT NULL FROM invoices ORDER BY id",
+            &[
+                "in_new|paid|100|t",
+                "in_open|paid|200|t",
+                "in_paid|paid|300|f",
+                "in_twice|paid|500|t",
+                "in_void|void|0|f",
+            ],
+        ),
+        (
+            "SELECT invoice_id, kind, amount FROM ledger_entries ORDER BY 1",
+            &["in_new|payment|100", "in_open|payment|200", "in_paid|payment|300", "in_twice|payment|500"],
+        ),
+        (
+            "SELECT aggregate_id, payload->>'amount' FROM outbox ORDER BY 1",
+            &["in_new|100", "in_open|200", "in_twice|500"],
+        ),
+        (
+            "SELECT invoice_id, event_id, reason FROM reconciliation_items ORDER BY 1, 2",
+            &["in_void|evt_5|payment_on_void_invoice", "in_void|evt_6|payment_on_void_invoice"],
+        ),
+    ];
+    for (sql, want) in expected {
+        let (a, b) = (rows(&batched, sql).await, rows(&single, sql).await);
+        assert_eq!(a, b, "one batch vs one event at a time: {sql}");
+        assert_eq!(a, want, "{sql}");
+    }
+}
+
 /// Seed: the same event on two endpoints → both processed (and still one booking).
 #[tokio::test]
 async fn the_same_event_on_two_endpoints_is_processed_on_both() {

@@ -9,6 +9,8 @@
 
 use deadpool_postgres::Transaction;
 
+use std::collections::HashSet;
+
 use super::{HandlerError, HandlerFuture, InboxEvent, Registry};
 
 /// Registers the five invoice handlers.
@@ -18,7 +20,8 @@ pub fn register(registry: &mut Registry) {
         .register("invoice.finalized", finalized)
         .register("invoice.paid", paid)
         .register("invoice.voided", voided)
-        .register("invoice.marked_uncollectible", marked_uncollectible);
+        .register("invoice.marked_uncollectible", marked_uncollectible)
+        .register_batch("invoice.paid", paid_batch);
 }
 
 /// `invoice.created`: insert if absent, with the payload's status when it is `draft` or `open`
@@ -78,6 +81,46 @@ WITH paid AS (
 )
 SELECT status FROM current";
 
+/// The common path of [`PAY_SQL`] for a set of `invoice.paid` events in one statement (`$1..$3`:
+/// arrays of invoice id, customer id and amount, in the events' order): upsert each invoice to
+/// `paid` unless it is already `paid` or `void`, and book those it moved (ledger once, outbox only
+/// for a new booking). An invoice named by several events is paid and booked once, with the first
+/// event's amount, as [`PAY_SQL`] run on each event in order does. Invoices are written in id
+/// order, so two batches sharing invoices lock them in the same order. Returns the ids it moved
+/// to `paid`; every other event (invoice already `paid` or `void`, or committed by another
+/// transaction during the statement) is settled like [`PAY_SQL`]'s no-row case, with a fresh
+/// snapshot. Deliberately no read of `invoices` beyond the upsert's own index lookups: a plan
+/// cached while the table was small must not scan it once it is large.
+pub const PAY_BATCH_SQL: &str = "\
+WITH input AS (
+    SELECT DISTINCT ON (id) id, customer_id, amount
+      FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS e(id, customer_id, amount, n)
+     ORDER BY id, n
+), paid AS (
+    INSERT INTO invoices (id, customer_id, status, amount_paid, paid_at)
+    SELECT id, customer_id, 'paid', amount, now() FROM input ORDER BY id
+    ON CONFLICT (id) DO UPDATE
+       SET status = 'paid',
+           amount_paid = EXCLUDED.amount_paid,
+           paid_at = COALESCE(invoices.paid_at, EXCLUDED.paid_at),
+           updated_at = now()
+     WHERE invoices.status NOT IN ('paid', 'void')
+    RETURNING id
+), booked AS (
+    INSERT INTO ledger_entries (invoice_id, kind, amount)
+    SELECT paid.id, 'payment', input.amount
+      FROM paid JOIN input ON input.id = paid.id
+     ORDER BY paid.id
+    ON CONFLICT (invoice_id, kind) DO NOTHING
+    RETURNING invoice_id, amount
+), announced AS (
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+    SELECT 'Invoice', invoice_id, 'InvoicePaymentBooked',
+           jsonb_build_object('invoice_id', invoice_id, 'amount', amount)
+      FROM booked
+)
+SELECT id FROM paid";
+
 /// `invoice.paid`, only when [`PAY_SQL`] returned no row: the status, with a fresh snapshot.
 pub const STATUS_SQL: &str = "SELECT status FROM invoices WHERE id = $1";
 
@@ -136,38 +179,76 @@ fn marked_uncollectible<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> H
     Box::pin(advance(tx, event, "uncollectible"))
 }
 
+/// The fields `invoice.paid` needs: invoice id, customer id, amount (never negative).
+fn paid_fields(event: &InboxEvent) -> Result<(&str, &str, i64), HandlerError> {
+    let id = event.object_str("id")?;
+    let customer = event.object_str("customer")?;
+    let amount = event.object_i64("amount_paid")?;
+    if amount < 0 {
+        return Err(HandlerError::Payload("data.object.amount_paid is negative".into()));
+    }
+    Ok((id, customer, amount))
+}
+
 fn paid<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
     Box::pin(async move {
-        let id = event.object_str("id")?;
-        let customer = event.object_str("customer")?;
-        let amount = event.object_i64("amount_paid")?;
-        if amount < 0 {
-            return Err(HandlerError::Payload("data.object.amount_paid is negative".into()));
-        }
+        let (id, customer, amount) = paid_fields(event)?;
         let pay = tx.prepare_cached(PAY_SQL).await?;
-        // `booked`: PAY_SQL ran the booking step itself (it does whenever it returns a row).
-        let (status, booked): (String, bool) = match tx.query_opt(&pay, &[&id, &customer, &amount]).await? {
-            Some(row) => (row.get(0), true),
-            None => {
-                let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
-                (tx.query_one(&status_stmt, &[&id]).await?.get(0), false)
-            }
-        };
-        match status.as_str() {
-            "paid" => {
-                if !booked {
-                    let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
-                    tx.execute(&book, &[&id, &amount]).await?;
-                }
-            }
-            "void" => {
-                let reconcile = tx.prepare_cached(RECONCILE_SQL).await?;
-                tx.execute(&reconcile, &[&id, &event.event_id, &amount, &event.endpoint]).await?;
-            }
-            other => {
-                return Err(HandlerError::Other(format!("invoice {id} is {other} after invoice.paid")));
-            }
+        let status = tx.query_opt(&pay, &[&id, &customer, &amount]).await?.map(|row| row.get(0));
+        settle_payment(tx, event, id, amount, status).await
+    })
+}
+
+/// `invoice.paid` for several events at once: [`PAY_BATCH_SQL`], then, per event it did not pay,
+/// what the per-event handler does when its payment statement returns no row.
+fn paid_batch<'a>(tx: &'a Transaction<'_>, events: &'a [&'a InboxEvent]) -> HandlerFuture<'a> {
+    Box::pin(async move {
+        let fields = events.iter().map(|e| paid_fields(e)).collect::<Result<Vec<_>, _>>()?;
+        let ids: Vec<&str> = fields.iter().map(|f| f.0).collect();
+        let customers: Vec<&str> = fields.iter().map(|f| f.1).collect();
+        let amounts: Vec<i64> = fields.iter().map(|f| f.2).collect();
+        let pay = tx.prepare_cached(PAY_BATCH_SQL).await?;
+        let paid: HashSet<String> =
+            tx.query(&pay, &[&ids, &customers, &amounts]).await?.into_iter().map(|row| row.get(0)).collect();
+        for (event, (id, _, amount)) in events.iter().zip(&fields) {
+            let status = paid.contains(*id).then(|| "paid".to_owned());
+            settle_payment(tx, event, id, *amount, status).await?;
         }
         Ok(())
     })
+}
+
+/// The rest of `invoice.paid` once the payment statement ran and returned `status` — after which
+/// a `paid` invoice is booked. `None`: the invoice was committed by another transaction during
+/// that statement; read its status with a fresh snapshot and book it here if it is `paid`.
+async fn settle_payment(
+    tx: &Transaction<'_>,
+    event: &InboxEvent,
+    id: &str,
+    amount: i64,
+    status: Option<String>,
+) -> Result<(), HandlerError> {
+    let (status, booked) = match status {
+        Some(status) => (status, true),
+        None => {
+            let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
+            (tx.query_one(&status_stmt, &[&id]).await?.get(0), false)
+        }
+    };
+    match status.as_str() {
+        "paid" => {
+            if !booked {
+                let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
+                tx.execute(&book, &[&id, &amount]).await?;
+            }
+        }
+        "void" => {
+            let reconcile = tx.prepare_cached(RECONCILE_SQL).await?;
+            tx.execute(&reconcile, &[&id, &event.event_id, &amount, &event.endpoint]).await?;
+        }
+        other => {
+            return Err(HandlerError::Other(format!("invoice {id} is {other} after invoice.paid")));
+        }
+    }
+    Ok(())
 }

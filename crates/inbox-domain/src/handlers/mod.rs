@@ -96,10 +96,20 @@ pub type HandlerFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError
 /// A handler: applies `event` inside `tx`.
 pub type Handler = for<'a, 'b> fn(&'a Transaction<'b>, &'a InboxEvent) -> HandlerFuture<'a>;
 
+/// A set-based handler: applies several events of one type inside `tx`, with the same effect as
+/// the type's [`Handler`] run on each of them in order — typically one statement for the whole
+/// set instead of one per event. All or nothing: on `Err` the worker rolls the batch back and
+/// runs every event again with the per-event handler, each in its own savepoint, so a batch
+/// handler may refuse anything unusual (a bad payload, an unexpected state) and leave it to the
+/// per-event path.
+pub type BatchHandler = for<'a, 'b> fn(&'a Transaction<'b>, &'a [&'a InboxEvent]) -> HandlerFuture<'a>;
+
 /// Handlers by event type. Types without a handler are processed with no effect ("ignored").
 #[derive(Clone, Default)]
 pub struct Registry {
     handlers: HashMap<String, Handler>,
+    /// Optional set-based handlers, used for two or more events of a type in one batch.
+    batch_handlers: HashMap<String, BatchHandler>,
 }
 
 impl Registry {
@@ -115,14 +125,33 @@ impl Registry {
         registry
     }
 
-    /// Registers (or replaces) the handler of `event_type`.
+    /// Registers (or replaces) the handler of `event_type`; replacing it drops the type's
+    /// set-based handler, if any.
     pub fn register(&mut self, event_type: &str, handler: Handler) -> &mut Self {
         self.handlers.insert(event_type.to_owned(), handler);
+        self.batch_handlers.remove(event_type);
         self
     }
 
     pub fn get(&self, event_type: &str) -> Option<Handler> {
         self.handlers.get(event_type).copied()
+    }
+
+    /// Registers (or replaces) the set-based handler of `event_type`, which must have a per-event
+    /// handler too (the fallback, and what `replay` runs). Replacing the per-event handler later
+    /// drops the set-based one, so the two never disagree.
+    pub fn register_batch(&mut self, event_type: &str, handler: BatchHandler) -> &mut Self {
+        assert!(
+            self.handlers.contains_key(event_type),
+            "register the per-event handler of {event_type} before its batch handler"
+        );
+        self.batch_handlers.insert(event_type.to_owned(), handler);
+        self
+    }
+
+    /// The set-based handler of `event_type`, if any.
+    pub fn get_batch(&self, event_type: &str) -> Option<BatchHandler> {
+        self.batch_handlers.get(event_type).copied()
     }
 
     /// The registered event types, sorted.
@@ -136,5 +165,35 @@ impl Registry {
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry").field("event_types", &self.event_types()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn other<'a>(_: &'a Transaction<'_>, _: &'a InboxEvent) -> HandlerFuture<'a> {
+        Box::pin(async { Ok(()) })
+    }
+
+    #[test]
+    fn replacing_a_handler_drops_its_set_based_handler() {
+        let mut registry = Registry::with_invoice_handlers();
+        assert!(registry.get_batch("invoice.paid").is_some());
+        registry.register("invoice.paid", other);
+        assert!(registry.get("invoice.paid").is_some());
+        assert!(
+            registry.get_batch("invoice.paid").is_none(),
+            "a set-based handler must not outlive its per-event one"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "before its batch handler")]
+    fn a_set_based_handler_needs_a_per_event_handler() {
+        fn batch<'a>(_: &'a Transaction<'_>, _: &'a [&'a InboxEvent]) -> HandlerFuture<'a> {
+            Box::pin(async { Ok(()) })
+        }
+        Registry::new().register_batch("customer.deleted", batch);
     }
 }
