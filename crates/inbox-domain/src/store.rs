@@ -81,6 +81,9 @@ pub struct Claimed {
     /// The attempt this claim counted (1 for the first).
     pub attempts: i32,
     pub received_at: std::time::SystemTime,
+    /// Where the claimed version of the row is (`ctid`, as text): the process transaction finds
+    /// the row there by a TID scan, unless the row has moved since (see [`LOCK_BY_CTID_SQL`]).
+    pub ctid: String,
 }
 
 /// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, available,
@@ -110,7 +113,7 @@ UPDATE webhook_inbox AS w
        available_at = now() + make_interval(secs => $3)
   FROM picked
  WHERE w.ctid = picked.ctid
-RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at";
+RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at, w.ctid::text";
 
 /// Runs [`CLAIM_SQL`].
 pub async fn claim<C: GenericClient + Sync>(
@@ -128,6 +131,7 @@ pub async fn claim<C: GenericClient + Sync>(
             event_type: r.get(3),
             attempts: r.get(4),
             received_at: r.get(5),
+            ctid: r.get(6),
         })
         .collect())
 }
@@ -141,15 +145,32 @@ SELECT set_config('statement_timeout', $1, true),
        set_config('lock_timeout', $2, true),
        set_config('idle_in_transaction_session_timeout', $3, true)";
 
-/// Locks the claimed rows for processing and re-checks they are still unprocessed (`$1..$3`:
-/// arrays of provider, endpoint, event_id). Deliberately without SKIP LOCKED: another worker's
-/// claim may hold a row for an instant, and skipping would leave it until the lease expires; the
-/// wait is bounded by lock_timeout. Rows in a stable order, so two transactions that share rows
-/// (possible only after a lease expired) lock them in the same order instead of deadlocking.
-/// A claimed row missing from the result was processed by another worker meanwhile (our lease
-/// had expired and it was taken): we do nothing with it. Also returns each row's `ctid` (as
-/// text), which stays valid while this transaction holds the lock: [`MARK_PROCESSED_SQL`] uses it.
-pub const LOCK_FOR_PROCESSING_SQL: &str = "\
+/// Locks the claimed rows for processing and re-checks they are still unprocessed (`$1`: the
+/// claims' `ctid`s, as text). Deliberately without SKIP LOCKED: another worker's claim may hold a
+/// row for an instant, and skipping would leave it until the lease expires; the wait is bounded by
+/// lock_timeout. Rows in a stable order, so two transactions that share rows (possible only after
+/// a lease expired) lock them in the same order instead of deadlocking. Returns each row's
+/// current `ctid` (as text), valid while this transaction holds the lock: [`MARK_PROCESSED_SQL`]
+/// uses it.
+///
+/// By `ctid` because the plan is a TID scan whatever the table's size: the same lookup by key,
+/// prepared while the queue was nearly empty, kept a cached generic plan that hashed every
+/// unprocessed row of the queue on each batch — slower the longer the backlog, the runaway this
+/// avoids. A claimed version another transaction updated (and committed) since is not visible
+/// here and comes back missing: [`LOCK_BY_KEY_SQL`] looks for those rows by key.
+pub const LOCK_BY_CTID_SQL: &str = "\
+SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
+  FROM webhook_inbox AS w
+ WHERE w.ctid = ANY($1::text[]::tid[])
+   AND w.processed_at IS NULL
+ ORDER BY w.provider, w.endpoint, w.event_id
+   FOR UPDATE";
+
+/// [`LOCK_BY_CTID_SQL`] by key (`$1..$3`: arrays of provider, endpoint, event_id), for the rare
+/// claims whose row moved since: the lease expired and another worker claimed the row (we may
+/// still process it first; its processing then finds it done), or processed it (the row is
+/// missing from the result too, and we do nothing with it).
+pub const LOCK_BY_KEY_SQL: &str = "\
 SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
   FROM webhook_inbox AS w
   JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(provider, endpoint, event_id)
@@ -159,7 +180,7 @@ SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
    FOR UPDATE OF w";
 
 /// Marks rows processed in the handlers' transaction, so each effect and its mark commit together
-/// or not at all. `$1`: the rows' `ctid`s (text) as [`LOCK_FOR_PROCESSING_SQL`] returned them in
+/// or not at all. `$1`: the rows' `ctid`s (text) as the lock statements returned them in
 /// this same transaction — the rows are locked since, so they are still there (a TID scan instead
 /// of a primary-key lookup per row).
 pub const MARK_PROCESSED_SQL: &str = "\

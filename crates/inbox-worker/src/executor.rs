@@ -183,6 +183,23 @@ impl Step {
     }
 }
 
+/// A row of the lock statements: its key, its event and its ctid.
+fn locked_row(row: tokio_postgres::Row) -> (InboxKey, (InboxEvent, String)) {
+    let event = InboxEvent {
+        provider: row.get(0),
+        endpoint: row.get(1),
+        event_id: row.get(2),
+        event_type: row.get(3),
+        payload: row.get(4),
+    };
+    let key = InboxKey {
+        provider: event.provider.clone(),
+        endpoint: event.endpoint.clone(),
+        event_id: event.event_id.clone(),
+    };
+    (key, (event, row.get(5)))
+}
+
 /// What the optimistic pass runs, in the order of the batch: one event with its handler, or every
 /// event of a type that has a set-based handler (two or more of them), at its first event's place.
 enum Unit<'e> {
@@ -240,33 +257,23 @@ async fn run_pass(
     let client = conn.client();
     let mut tx = client.transaction().await?;
     let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await?;
-    let lock = tx.prepare_cached(store::LOCK_FOR_PROCESSING_SQL).await?;
+    let lock = tx.prepare_cached(store::LOCK_BY_CTID_SQL).await?;
     let (statement_timeout, lock_timeout, idle_timeout) =
         (millis(limits.statement_timeout), millis(limits.lock_timeout), millis(limits.idle_timeout));
-    let (providers, endpoints, ids) = store::key_columns(claimed.iter().map(|c| &c.key));
+    let claimed_ctids: Vec<&str> = claimed.iter().map(|c| c.ctid.as_str()).collect();
     let limits_params: [&(dyn ToSql + Sync); 3] = [&statement_timeout, &lock_timeout, &idle_timeout];
-    let lock_params: [&(dyn ToSql + Sync); 3] = [&providers, &endpoints, &ids];
+    let lock_params: [&(dyn ToSql + Sync); 1] = [&claimed_ctids];
     let (_, rows) =
         tokio::try_join!(tx.execute(&limits_stmt, &limits_params), tx.query(&lock, &lock_params))?;
     // Each locked row: its event and its ctid (for the processed mark).
-    let mut locked: HashMap<InboxKey, (InboxEvent, String)> = rows
-        .into_iter()
-        .map(|row| {
-            let event = InboxEvent {
-                provider: row.get(0),
-                endpoint: row.get(1),
-                event_id: row.get(2),
-                event_type: row.get(3),
-                payload: row.get(4),
-            };
-            let key = InboxKey {
-                provider: event.provider.clone(),
-                endpoint: event.endpoint.clone(),
-                event_id: event.event_id.clone(),
-            };
-            (key, (event, row.get(5)))
-        })
-        .collect();
+    let mut locked: HashMap<InboxKey, (InboxEvent, String)> = rows.into_iter().map(locked_row).collect();
+    // Rows that moved since their claim (a lease expired meanwhile): look for them by key.
+    let moved: Vec<&Claimed> = claimed.iter().filter(|c| !locked.contains_key(&c.key)).collect();
+    if !moved.is_empty() {
+        let (providers, endpoints, ids) = store::key_columns(moved.iter().map(|c| &c.key));
+        let by_key = tx.prepare_cached(store::LOCK_BY_KEY_SQL).await?;
+        locked.extend(tx.query(&by_key, &[&providers, &endpoints, &ids]).await?.into_iter().map(locked_row));
+    }
     let mut ctids = Vec::with_capacity(claimed.len());
     let steps: Vec<Step> = claimed
         .iter()

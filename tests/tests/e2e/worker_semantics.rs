@@ -667,3 +667,50 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     assert_eq!(booked, ["in_1", "in_3"]);
     assert_eq!(scalar(&client, "SELECT count(*) FROM invoices WHERE id IN ('in_2', 'in_5')").await, 0);
 }
+
+/// The worker's statements on the inbox keep an index or TID plan when the queue grows after they
+/// were prepared. PostgreSQL caches a generic plan after five executions; one chosen while the
+/// table was nearly empty (the lock by key hashed every unprocessed row) makes each batch slower
+/// the longer the backlog.
+#[tokio::test]
+async fn plans_cached_on_an_empty_queue_stay_index_plans_when_it_grows() {
+    use inbox_domain::store::{CLAIM_SQL, LOCK_BY_CTID_SQL, MARK_PROCESSED_SQL};
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_0", "in_0", 1)).await;
+    let statements = [
+        ("claim", CLAIM_SQL, "int, bigint, float8", "(10, 32, 0.0)"),
+        ("lock", LOCK_BY_CTID_SQL, "text[]", "('{\"(0,1)\"}')"),
+        ("mark", MARK_PROCESSED_SQL, "text[]", "('{\"(0,1)\"}')"),
+    ];
+    for (name, sql, types, _) in statements {
+        client.batch_execute(&format!("PREPARE {name}({types}) AS {sql}")).await.unwrap();
+    }
+    for _ in 0..7 {
+        for (name, _, _, args) in statements {
+            client.batch_execute(&format!("BEGIN; EXECUTE {name}{args}; ROLLBACK")).await.unwrap();
+        }
+    }
+    client
+        .batch_execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid', jsonb_build_object('pad', repeat('x', 1500))
+               FROM generate_series(1, 20000) i",
+        )
+        .await
+        .unwrap();
+    for (name, _, _, args) in statements {
+        let plan: Vec<String> = client
+            .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}"), &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let plan = plan.join("\n");
+        assert!(
+            !plan.contains("Seq Scan") && !plan.contains("Bitmap") && !plan.contains("Hash"),
+            "{name} scans the queue:\n{plan}"
+        );
+    }
+}
