@@ -43,55 +43,19 @@ ON CONFLICT (id) DO UPDATE
    AND invoices.status <> 'void'
    AND NOT (invoices.status = 'paid' AND EXCLUDED.status = 'void')";
 
-/// `invoice.paid`, in one round trip on the common path: upsert the invoice to `paid` unless it
-/// is already `paid` or `void` (seed 5.2); read the status it has afterwards; when that is
-/// `paid`, book the payment once (UNIQUE (invoice_id, kind) is the second line of defence against
-/// the same payment sent as two Event objects) and write the outbox row only when the booking is
-/// new — one statement, so status, ledger and outbox cannot disagree. Returns the status.
-///
-/// The row is locked by the upsert (updated or not), so the status stays true until commit. The
-/// second branch of `current` reads the statement's snapshot: it misses a row another
-/// transaction committed *during* this statement, and then no row comes back and nothing is
-/// booked — [`STATUS_SQL`] reads the status with a fresh snapshot and [`BOOK_PAYMENT_SQL`] books.
+/// `invoice.paid`, one statement for one event or a whole batch (`$1..$3`: arrays of invoice id,
+/// customer id and amount, in the events' order): upsert each invoice to `paid` unless it is
+/// already `paid` or `void` (seed 5.2), and book those it moved — ledger once (UNIQUE (invoice_id,
+/// kind) is the second line of defence against the same payment sent as two Event objects), the
+/// outbox row only for a new booking — so status, ledger and outbox cannot disagree. An invoice
+/// named by several events is paid and booked once, with the first event's amount, as running
+/// the events one at a time does. Invoices are written in id order, so two batches sharing
+/// invoices lock them in the same order. Returns the ids it moved to `paid`; for every other event
+/// (invoice already `paid` or `void`, or committed by another transaction during the statement)
+/// [`STATUS_SQL`] reads the status with a fresh snapshot, then [`BOOK_PAYMENT_SQL`] or
+/// [`RECONCILE_SQL`] follows. Deliberately no read of `invoices` beyond the upsert's own index
+/// lookups: a plan cached while the table was small must not scan it once it is large.
 pub const PAY_SQL: &str = "\
-WITH paid AS (
-    INSERT INTO invoices (id, customer_id, status, amount_paid, paid_at)
-    VALUES ($1, $2, 'paid', $3, now())
-    ON CONFLICT (id) DO UPDATE
-       SET status = 'paid',
-           amount_paid = EXCLUDED.amount_paid,
-           paid_at = COALESCE(invoices.paid_at, EXCLUDED.paid_at),
-           updated_at = now()
-     WHERE invoices.status NOT IN ('paid', 'void')
-    RETURNING status
-), current AS (
-    SELECT status FROM paid
-    UNION ALL
-    SELECT status FROM invoices WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM paid)
-), booked AS (
-    INSERT INTO ledger_entries (invoice_id, kind, amount)
-    SELECT $1, 'payment', $3 FROM current WHERE status = 'paid'
-    ON CONFLICT (invoice_id, kind) DO NOTHING
-    RETURNING invoice_id, amount
-), announced AS (
-    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-    SELECT 'Invoice', invoice_id, 'InvoicePaymentBooked',
-           jsonb_build_object('invoice_id', invoice_id, 'amount', amount)
-      FROM booked
-)
-SELECT status FROM current";
-
-/// The common path of [`PAY_SQL`] for a set of `invoice.paid` events in one statement (`$1..$3`:
-/// arrays of invoice id, customer id and amount, in the events' order): upsert each invoice to
-/// `paid` unless it is already `paid` or `void`, and book those it moved (ledger once, outbox only
-/// for a new booking). An invoice named by several events is paid and booked once, with the first
-/// event's amount, as [`PAY_SQL`] run on each event in order does. Invoices are written in id
-/// order, so two batches sharing invoices lock them in the same order. Returns the ids it moved
-/// to `paid`; every other event (invoice already `paid` or `void`, or committed by another
-/// transaction during the statement) is settled like [`PAY_SQL`]'s no-row case, with a fresh
-/// snapshot. Deliberately no read of `invoices` beyond the upsert's own index lookups: a plan
-/// cached while the table was small must not scan it once it is large.
-pub const PAY_BATCH_SQL: &str = "\
 WITH input AS (
     SELECT DISTINCT ON (id) id, customer_id, amount
       FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS e(id, customer_id, amount, n)
@@ -121,11 +85,12 @@ WITH input AS (
 )
 SELECT id FROM paid";
 
-/// `invoice.paid`, only when [`PAY_SQL`] returned no row: the status, with a fresh snapshot.
+/// `invoice.paid`, for an event whose invoice [`PAY_SQL`] did not move: the status, with a fresh
+/// snapshot.
 pub const STATUS_SQL: &str = "SELECT status FROM invoices WHERE id = $1";
 
-/// `invoice.paid`, only when [`PAY_SQL`] returned no row and the fresh status is `paid`: book the
-/// payment once and, only when the booking is new, write the outbox row (as [`PAY_SQL`] does).
+/// `invoice.paid`, when [`PAY_SQL`] did not move the invoice and the fresh status is `paid`: book
+/// the payment once and, only when the booking is new, write the outbox row (as [`PAY_SQL`] does).
 pub const BOOK_PAYMENT_SQL: &str = "\
 WITH booked AS (
     INSERT INTO ledger_entries (invoice_id, kind, amount)
@@ -191,56 +156,46 @@ fn paid_fields(event: &InboxEvent) -> Result<(&str, &str, i64), HandlerError> {
 }
 
 fn paid<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
-    Box::pin(async move {
-        let (id, customer, amount) = paid_fields(event)?;
-        let pay = tx.prepare_cached(PAY_SQL).await?;
-        let status = tx.query_opt(&pay, &[&id, &customer, &amount]).await?.map(|row| row.get(0));
-        settle_payment(tx, event, id, amount, status).await
-    })
+    Box::pin(async move { pay(tx, &[event]).await })
 }
 
-/// `invoice.paid` for several events at once: [`PAY_BATCH_SQL`], then, per event it did not pay,
-/// what the per-event handler does when its payment statement returns no row.
+/// `invoice.paid` for several events at once: the same statement as for one.
 fn paid_batch<'a>(tx: &'a Transaction<'_>, events: &'a [&'a InboxEvent]) -> HandlerFuture<'a> {
-    Box::pin(async move {
-        let fields = events.iter().map(|e| paid_fields(e)).collect::<Result<Vec<_>, _>>()?;
-        let ids: Vec<&str> = fields.iter().map(|f| f.0).collect();
-        let customers: Vec<&str> = fields.iter().map(|f| f.1).collect();
-        let amounts: Vec<i64> = fields.iter().map(|f| f.2).collect();
-        let pay = tx.prepare_cached(PAY_BATCH_SQL).await?;
-        let paid: HashSet<String> =
-            tx.query(&pay, &[&ids, &customers, &amounts]).await?.into_iter().map(|row| row.get(0)).collect();
-        for (event, (id, _, amount)) in events.iter().zip(&fields) {
-            let status = paid.contains(*id).then(|| "paid".to_owned());
-            settle_payment(tx, event, id, *amount, status).await?;
-        }
-        Ok(())
-    })
+    Box::pin(pay(tx, events))
 }
 
-/// The rest of `invoice.paid` once the payment statement ran and returned `status` — after which
-/// a `paid` invoice is booked. `None`: the invoice was committed by another transaction during
-/// that statement; read its status with a fresh snapshot and book it here if it is `paid`.
+/// [`PAY_SQL`] for `events`, then, per event whose invoice it did not move, the fresh-snapshot path.
+async fn pay(tx: &Transaction<'_>, events: &[&InboxEvent]) -> Result<(), HandlerError> {
+    let fields = events.iter().map(|e| paid_fields(e)).collect::<Result<Vec<_>, _>>()?;
+    let ids: Vec<&str> = fields.iter().map(|f| f.0).collect();
+    let customers: Vec<&str> = fields.iter().map(|f| f.1).collect();
+    let amounts: Vec<i64> = fields.iter().map(|f| f.2).collect();
+    let stmt = tx.prepare_cached(PAY_SQL).await?;
+    let paid: HashSet<String> =
+        tx.query(&stmt, &[&ids, &customers, &amounts]).await?.into_iter().map(|row| row.get(0)).collect();
+    for (event, (id, _, amount)) in events.iter().zip(&fields) {
+        if !paid.contains(*id) {
+            settle_payment(tx, event, id, *amount).await?;
+        }
+    }
+    Ok(())
+}
+
+/// The rest of `invoice.paid` for an event whose invoice [`PAY_SQL`] did not move (already `paid`
+/// or `void`, or committed by another transaction during that statement): the status with a fresh
+/// snapshot, then book a `paid` invoice (once) or record a payment on a `void` one.
 async fn settle_payment(
     tx: &Transaction<'_>,
     event: &InboxEvent,
     id: &str,
     amount: i64,
-    status: Option<String>,
 ) -> Result<(), HandlerError> {
-    let (status, booked) = match status {
-        Some(status) => (status, true),
-        None => {
-            let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
-            (tx.query_one(&status_stmt, &[&id]).await?.get(0), false)
-        }
-    };
+    let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
+    let status: String = tx.query_one(&status_stmt, &[&id]).await?.get(0);
     match status.as_str() {
         "paid" => {
-            if !booked {
-                let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
-                tx.execute(&book, &[&id, &amount]).await?;
-            }
+            let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
+            tx.execute(&book, &[&id, &amount]).await?;
         }
         "void" => {
             let reconcile = tx.prepare_cached(RECONCILE_SQL).await?;
