@@ -166,10 +166,10 @@ async fn run_transaction(
 enum Step {
     /// Not returned by the lock query: processed by another worker meanwhile.
     Gone,
-    /// No handler for its type: marked processed with no effect.
-    Ignore,
-    /// Its handler runs.
-    Run(Handler, InboxEvent),
+    /// No handler for its type: marked processed with no effect. Holds the row's ctid.
+    Ignore(String),
+    /// Its handler runs; then the row (at the ctid) is marked processed.
+    Run(Handler, InboxEvent, String),
 }
 
 impl Step {
@@ -177,8 +177,16 @@ impl Step {
     fn outcome(&self) -> Outcome {
         match self {
             Step::Gone => Outcome::AlreadyProcessed,
-            Step::Ignore => Outcome::Ignored,
+            Step::Ignore(_) => Outcome::Ignored,
             Step::Run(..) => Outcome::Processed,
+        }
+    }
+
+    /// Where the locked row is, unless another worker processed it.
+    fn ctid(&self) -> Option<&str> {
+        match self {
+            Step::Gone => None,
+            Step::Ignore(ctid) | Step::Run(_, _, ctid) => Some(ctid),
         }
     }
 }
@@ -212,7 +220,7 @@ fn units<'e>(registry: &Registry, steps: &'e [Step]) -> Vec<Unit<'e>> {
     // Per type with a set-based handler: its unit's index, and the per-event handler.
     let mut sets: HashMap<&str, (usize, Handler)> = HashMap::new();
     for step in steps {
-        let Step::Run(handler, event) = step else { continue };
+        let Step::Run(handler, event, _) = step else { continue };
         let Some(batch) = registry.get_batch(&event.event_type) else {
             units.push(Unit::One(*handler, event));
             continue;
@@ -274,21 +282,14 @@ async fn run_pass(
         let by_key = tx.prepare_cached(store::LOCK_BY_KEY_SQL).await?;
         locked.extend(tx.query(&by_key, &[&providers, &endpoints, &ids]).await?.into_iter().map(locked_row));
     }
-    let mut ctids = Vec::with_capacity(claimed.len());
     let steps: Vec<Step> = claimed
         .iter()
         .map(|row| match locked.remove(&row.key) {
-            None => {
-                ctids.push(None);
-                Step::Gone
-            }
-            Some((event, ctid)) => {
-                ctids.push(Some(ctid));
-                match registry.get(&event.event_type) {
-                    None => Step::Ignore,
-                    Some(handler) => Step::Run(handler, event),
-                }
-            }
+            None => Step::Gone,
+            Some((event, ctid)) => match registry.get(&event.event_type) {
+                None => Step::Ignore(ctid),
+                Some(handler) => Step::Run(handler, event, ctid),
+            },
         })
         .collect();
     let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
@@ -302,7 +303,7 @@ async fn run_pass(
             };
             AssertUnwindSafe(run).catch_unwind()
         });
-        let done: Vec<&str> = ctids.iter().flatten().map(String::as_str).collect();
+        let done: Vec<&str> = steps.iter().filter_map(Step::ctid).collect();
         let mark_all = async {
             if done.is_empty() {
                 return Ok(0);
@@ -335,7 +336,7 @@ async fn run_pass(
 
     let mut outcomes = Vec::with_capacity(claimed.len());
     for step in &steps {
-        let Step::Run(handler, event) = step else {
+        let Step::Run(handler, event, _) = step else {
             outcomes.push(step.outcome());
             continue;
         };
@@ -356,11 +357,11 @@ async fn run_pass(
             }
         });
     }
-    let done: Vec<&str> = ctids
+    let done: Vec<&str> = steps
         .iter()
         .zip(&outcomes)
         .filter(|(_, o)| matches!(o, Outcome::Processed | Outcome::Ignored))
-        .filter_map(|(ctid, _)| ctid.as_deref())
+        .filter_map(|(step, _)| step.ctid())
         .collect();
     if done.is_empty() {
         tx.rollback().await?;
