@@ -1,7 +1,21 @@
 //! Every SQL statement on `webhook_inbox`, each a documented constant next to the function that
 //! runs it and maps its rows. Handlers' statements on the business tables live with the handlers.
+//!
+//! # Plans
+//! The statements the worker runs on the queue — [`CLAIM_SQL`], [`LOCK_BY_CTID_SQL`],
+//! [`LOCK_BY_KEY_SQL`], [`MARK_PROCESSED_SQL`], [`RECORD_FAILURE_SQL`], [`HAND_BACK_SQL`] — are
+//! sent unnamed (`query_typed`), so PostgreSQL plans each execution for its arguments and the
+//! table as it is now. A prepared statement gets a generic plan cached after five executions, and
+//! one cached while the queue was small stays when the queue grows: a worker started on an empty
+//! queue claimed with a bitmap scan and sort of every ready row and locked and marked with scans
+//! of the partial index, so under a backlog each batch read the whole backlog and the worker fell
+//! further behind (end-to-end p99 of 5 to 12 s in the benchmark). Planning these statements once
+//! per batch costs far less than that risk. The ingest's insert keeps its prepared statement: its
+//! plan has no choice to make.
 
 use deadpool_postgres::GenericClient;
+use tokio_postgres::types::Type;
+use tokio_postgres::Client;
 
 use crate::event::JsonBytes;
 
@@ -115,15 +129,17 @@ UPDATE webhook_inbox AS w
  WHERE w.ctid = picked.ctid
 RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at, w.ctid::text";
 
-/// Runs [`CLAIM_SQL`].
-pub async fn claim<C: GenericClient + Sync>(
-    client: &C,
+/// Runs [`CLAIM_SQL`], unnamed (see the module's "Plans").
+pub async fn claim(
+    client: &Client,
     max_attempts: i32,
     limit: i64,
     lease: std::time::Duration,
 ) -> Result<Vec<Claimed>, tokio_postgres::Error> {
-    let stmt = client.prepare_cached(CLAIM_SQL).await?;
-    let rows = client.query(&stmt, &[&max_attempts, &limit, &lease.as_secs_f64()]).await?;
+    let lease = lease.as_secs_f64();
+    let rows = client
+        .query_typed(CLAIM_SQL, &[(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8)])
+        .await?;
     Ok(rows
         .iter()
         .map(|r| Claimed {
@@ -153,11 +169,10 @@ SELECT set_config('statement_timeout', $1, true),
 /// current `ctid` (as text), valid while this transaction holds the lock: [`MARK_PROCESSED_SQL`]
 /// uses it.
 ///
-/// By `ctid` because the plan is a TID scan whatever the table's size: the same lookup by key,
-/// prepared while the queue was nearly empty, kept a cached generic plan that hashed every
-/// unprocessed row of the queue on each batch — slower the longer the backlog, the runaway this
-/// avoids. A claimed version another transaction updated (and committed) since is not visible
-/// here and comes back missing: [`LOCK_BY_KEY_SQL`] looks for those rows by key.
+/// By `ctid`: planned for its array (unnamed, see the module's "Plans"), a TID scan of the batch's
+/// rows whatever the queue's size. A claimed version another transaction updated (and committed)
+/// since is not visible here and comes back missing: [`LOCK_BY_KEY_SQL`] looks for those rows by
+/// key.
 pub const LOCK_BY_CTID_SQL: &str = "\
 SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
   FROM webhook_inbox AS w
@@ -237,29 +252,39 @@ pub fn truncate_error(message: &str) -> &str {
     &message[..end]
 }
 
-/// Runs [`RECORD_FAILURE_SQL`]; returns the row's attempts, or None when it was processed meanwhile.
-pub async fn record_failure<C: GenericClient + Sync>(
-    client: &C,
+/// Runs [`RECORD_FAILURE_SQL`] (unnamed, see the module's "Plans"); returns the row's attempts, or None when it was processed meanwhile.
+pub async fn record_failure(
+    client: &Client,
     key: &InboxKey,
     error: &str,
 ) -> Result<Option<i32>, tokio_postgres::Error> {
-    let stmt = client.prepare_cached(RECORD_FAILURE_SQL).await?;
+    let error = truncate_error(error);
     let row = client
-        .query_opt(&stmt, &[&key.provider, &key.endpoint, &key.event_id, &truncate_error(error)])
+        .query_typed_opt(
+            RECORD_FAILURE_SQL,
+            &[
+                (&key.provider, Type::TEXT),
+                (&key.endpoint, Type::TEXT),
+                (&key.event_id, Type::TEXT),
+                (&error, Type::TEXT),
+            ],
+        )
         .await?;
     Ok(row.map(|r| r.get(0)))
 }
 
-/// Runs [`HAND_BACK_SQL`]; true when the row was handed back.
-pub async fn hand_back<C: GenericClient + Sync>(
-    client: &C,
-    claimed: &Claimed,
-) -> Result<bool, tokio_postgres::Error> {
-    let stmt = client.prepare_cached(HAND_BACK_SQL).await?;
+/// Runs [`HAND_BACK_SQL`] (unnamed, see the module's "Plans"); true when the row was handed back.
+pub async fn hand_back(client: &Client, claimed: &Claimed) -> Result<bool, tokio_postgres::Error> {
+    let key = &claimed.key;
     let n = client
-        .execute(
-            &stmt,
-            &[&claimed.key.provider, &claimed.key.endpoint, &claimed.key.event_id, &claimed.attempts],
+        .execute_typed(
+            HAND_BACK_SQL,
+            &[
+                (&key.provider, Type::TEXT),
+                (&key.endpoint, Type::TEXT),
+                (&key.event_id, Type::TEXT),
+                (&claimed.attempts, Type::INT4),
+            ],
         )
         .await?;
     Ok(n == 1)

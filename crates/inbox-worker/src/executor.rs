@@ -14,7 +14,8 @@ use deadpool_postgres::{Object, Pool};
 use futures_util::FutureExt as _;
 use inbox_domain::handlers::{describe_db_error, BatchHandler, Handler, InboxEvent, Registry};
 use inbox_domain::store::{self, Claimed, InboxKey};
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Transaction;
 
 /// What running one event came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -265,22 +266,25 @@ async fn run_pass(
     let client = conn.client();
     let mut tx = client.transaction().await?;
     let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await?;
-    let lock = tx.prepare_cached(store::LOCK_BY_CTID_SQL).await?;
     let (statement_timeout, lock_timeout, idle_timeout) =
         (millis(limits.statement_timeout), millis(limits.lock_timeout), millis(limits.idle_timeout));
     let claimed_ctids: Vec<&str> = claimed.iter().map(|c| c.ctid.as_str()).collect();
     let limits_params: [&(dyn ToSql + Sync); 3] = [&statement_timeout, &lock_timeout, &idle_timeout];
-    let lock_params: [&(dyn ToSql + Sync); 1] = [&claimed_ctids];
-    let (_, rows) =
-        tokio::try_join!(tx.execute(&limits_stmt, &limits_params), tx.query(&lock, &lock_params))?;
+    // Unnamed: planned for these rows every time (see the store module's "Plans").
+    let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&claimed_ctids, Type::TEXT_ARRAY)];
+    let (_, rows) = tokio::try_join!(
+        tx.execute(&limits_stmt, &limits_params),
+        tx.query_typed(store::LOCK_BY_CTID_SQL, &lock_params)
+    )?;
     // Each locked row: its event and its ctid (for the processed mark).
     let mut locked: HashMap<InboxKey, (InboxEvent, String)> = rows.into_iter().map(locked_row).collect();
     // Rows that moved since their claim (a lease expired meanwhile): look for them by key.
     let moved: Vec<&Claimed> = claimed.iter().filter(|c| !locked.contains_key(&c.key)).collect();
     if !moved.is_empty() {
         let (providers, endpoints, ids) = store::key_columns(moved.iter().map(|c| &c.key));
-        let by_key = tx.prepare_cached(store::LOCK_BY_KEY_SQL).await?;
-        locked.extend(tx.query(&by_key, &[&providers, &endpoints, &ids]).await?.into_iter().map(locked_row));
+        let params: [(&(dyn ToSql + Sync), Type); 3] =
+            [(&providers, Type::TEXT_ARRAY), (&endpoints, Type::TEXT_ARRAY), (&ids, Type::TEXT_ARRAY)];
+        locked.extend(tx.query_typed(store::LOCK_BY_KEY_SQL, &params).await?.into_iter().map(locked_row));
     }
     let steps: Vec<Step> = claimed
         .iter()
@@ -292,8 +296,6 @@ async fn run_pass(
             },
         })
         .collect();
-    let mark = tx.prepare_cached(store::MARK_PROCESSED_SQL).await?;
-
     if !savepoints {
         let units = units(registry, &steps);
         let runs = units.iter().map(|unit| {
@@ -308,7 +310,7 @@ async fn run_pass(
             if done.is_empty() {
                 return Ok(0);
             }
-            tx.execute(&mark, &[&done]).await
+            mark_processed(&tx, &done).await
         };
         // Handlers first: their first statements are queued before the mark.
         let (results, marked) = tokio::join!(futures_util::future::join_all(runs), mark_all);
@@ -366,10 +368,15 @@ async fn run_pass(
     if done.is_empty() {
         tx.rollback().await?;
     } else {
-        tx.execute(&mark, &[&done]).await?;
+        mark_processed(&tx, &done).await?;
         tx.commit().await?;
     }
     Ok(Pass::Done(outcomes))
+}
+
+/// [`store::MARK_PROCESSED_SQL`] for the rows at `ctids`, unnamed (see the store module's "Plans").
+async fn mark_processed(tx: &Transaction<'_>, ctids: &[&str]) -> Result<u64, tokio_postgres::Error> {
+    tx.execute_typed(store::MARK_PROCESSED_SQL, &[(&ctids, Type::TEXT_ARRAY)]).await
 }
 
 fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {

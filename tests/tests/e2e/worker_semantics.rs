@@ -668,28 +668,31 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM invoices WHERE id IN ('in_2', 'in_5')").await, 0);
 }
 
-/// The worker's statements on the inbox keep an index or TID plan when the queue grows after they
-/// were prepared. PostgreSQL caches a generic plan after five executions; one chosen while the
-/// table was nearly empty (the lock by key hashed every unprocessed row) makes each batch slower
-/// the longer the backlog.
+/// Planned for their arguments (the worker sends them unnamed), the claim, the lock and the mark
+/// find a batch's rows through the partial index or by TID on a queue of 20k rows — no plan
+/// scans the queue.
 #[tokio::test]
-async fn plans_cached_on_an_empty_queue_stay_index_plans_when_it_grows() {
+async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_queue() {
     use inbox_domain::store::{CLAIM_SQL, LOCK_BY_CTID_SQL, MARK_PROCESSED_SQL};
     let db = TestDb::new().await;
     let client = db.client().await;
-    store_event(&client, "billing", &invoice_paid("evt_0", "in_0", 1)).await;
+    let ctids = format!("('{{{}}}')", (1..=32).map(|i| format!("\"(0,{i})\"")).collect::<Vec<_>>().join(","));
+    // (name, statement, parameter types, arguments, the access its plan must use)
     let statements = [
-        ("claim", CLAIM_SQL, "int, bigint, float8", "(10, 32, 0.0)"),
-        ("lock", LOCK_BY_CTID_SQL, "text[]", "('{\"(0,1)\"}')"),
-        ("mark", MARK_PROCESSED_SQL, "text[]", "('{\"(0,1)\"}')"),
+        (
+            "claim",
+            CLAIM_SQL,
+            "int, bigint, float8",
+            "(10, 32, 30.0)".to_owned(),
+            "Index Scan using webhook_inbox_unprocessed",
+        ),
+        ("lock", LOCK_BY_CTID_SQL, "text[]", ctids.clone(), "Tid Scan"),
+        ("mark", MARK_PROCESSED_SQL, "text[]", ctids, "Tid Scan"),
     ];
-    for (name, sql, types, _) in statements {
+    // What an unnamed statement gets: a plan for its arguments at each execution.
+    client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
+    for (name, sql, types, _, _) in &statements {
         client.batch_execute(&format!("PREPARE {name}({types}) AS {sql}")).await.unwrap();
-    }
-    for _ in 0..7 {
-        for (name, _, _, args) in statements {
-            client.batch_execute(&format!("BEGIN; EXECUTE {name}{args}; ROLLBACK")).await.unwrap();
-        }
     }
     client
         .batch_execute(
@@ -699,7 +702,7 @@ async fn plans_cached_on_an_empty_queue_stay_index_plans_when_it_grows() {
         )
         .await
         .unwrap();
-    for (name, _, _, args) in statements {
+    for (name, _, _, args, access) in &statements {
         let plan: Vec<String> = client
             .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}"), &[])
             .await
@@ -708,9 +711,79 @@ async fn plans_cached_on_an_empty_queue_stay_index_plans_when_it_grows() {
             .map(|r| r.get(0))
             .collect();
         let plan = plan.join("\n");
+        let other_scans = plan
+            .lines()
+            .filter(|l| l.contains("Scan") && l.contains(" on webhook_inbox"))
+            .filter(|l| !l.contains(access) && !l.contains("Tid Scan"))
+            .count();
         assert!(
-            !plan.contains("Seq Scan") && !plan.contains("Bitmap") && !plan.contains("Hash"),
-            "{name} scans the queue:\n{plan}"
+            plan.contains(access) && other_scans == 0 && !plan.contains("Hash"),
+            "{name} must find its rows by {access}, not scan the queue:\n{plan}"
         );
     }
+}
+
+/// The same trap on the worker's real path: one session (as a worker's pooled connection)
+/// processes its first batches while the queue is small — PostgreSQL caches a prepared
+/// statement's generic plan after five executions — then the queue grows to 20k rows; claiming
+/// and processing a batch of 32 must read about those 32 rows, not the queue. With the claim,
+/// lock and mark prepared, their cached plans (bitmap scan and sort of every ready row, partial
+/// index scans) read 45k.
+#[tokio::test]
+async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_first_batches() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 1);
+    let registry = invoices();
+    let limits = test_limits(Duration::from_secs(5));
+    for i in 0..8 {
+        for j in 0..32 {
+            store_event(
+                &client,
+                "billing",
+                &invoice_paid(&format!("evt_w{i}_{j}"), &format!("in_w{i}_{j}"), 1),
+            )
+            .await;
+        }
+        let claimed = claim(&pool, 32, LEASE, 10).await;
+        let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+        let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
+        assert_eq!(outcomes, vec![Outcome::Processed; 32]);
+    }
+    client
+        .batch_execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_' || i, 'test.unhandled', jsonb_build_object('pad', repeat('x', 1500))
+               FROM generate_series(1, 20000) i",
+        )
+        .await
+        .unwrap();
+    let claimed = claim(&pool, 32, LEASE, 10).await;
+    let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+    let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
+    assert_eq!(outcomes, vec![Outcome::Ignored; 32]);
+    drop(conn);
+    pool.close(); // The session ends and reports its statistics.
+                  // An ending session reports its statistics before it leaves pg_stat_activity.
+    for _ in 0..100 {
+        let sessions = "SELECT count(*) FROM pg_stat_activity
+                         WHERE datname = current_database() AND application_name = 'inbox-test'";
+        if scalar(&client, sessions).await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let tuples_read = scalar(
+        &client,
+        "SELECT (SELECT seq_tup_read + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE relname = 'webhook_inbox')
+              + (SELECT sum(idx_tup_read)::bigint FROM pg_stat_user_indexes WHERE relname = 'webhook_inbox')",
+    )
+    .await;
+    assert!(tuples_read > 0, "the session's statistics were reported");
+    // The first batches read up to ~7k index entries and rows in all (the queue's dead entries
+    // accumulate, no vacuum ran); one statement scanning the grown queue reads 20k more.
+    assert!(
+        tuples_read < 15_000,
+        "the worker's statements read {tuples_read} rows and index entries of the inbox"
+    );
 }
