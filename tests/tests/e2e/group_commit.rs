@@ -84,3 +84,109 @@ fn one_payload_the_database_refuses_does_not_fail_its_batch() {
     assert_eq!(replies[7].status, 400, "{replies:?}");
     assert_eq!(rt.block_on(app.inbox_rows()), 7);
 }
+
+/// An ingest with four batch writers whose every INSERT takes 300 ms; each committed batch is
+/// logged with its statement's start, end and row count in `batch_log`.
+async fn slow_writers_with_log() -> TestApp {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE TABLE batch_log (started timestamptz, ended timestamptz, rows bigint);
+             CREATE FUNCTION slow_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$;
+             CREATE TRIGGER slow_batch BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION slow_batch();
+             CREATE FUNCTION log_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO batch_log SELECT statement_timestamp(), clock_timestamp(), count(*) FROM new_rows;
+                        RETURN NULL; END $$;
+             CREATE TRIGGER log_batch AFTER INSERT ON webhook_inbox REFERENCING NEW TABLE AS new_rows
+               FOR EACH STATEMENT EXECUTE FUNCTION log_batch();",
+        )
+        .await
+        .unwrap();
+    spawn_app_with(db, |s| {
+        s.pool_size = 6; // four writers
+        s.db_timeout = std::time::Duration::from_secs(10);
+    })
+    .await
+}
+
+/// Sends one request in the background and returns once its batch is being written.
+fn first_batch_in_flight(
+    rt: &tokio::runtime::Runtime,
+    app: &TestApp,
+) -> std::thread::JoinHandle<Vec<inbox_tests::app::Reply>> {
+    let address = app.address.clone();
+    let first = std::thread::spawn(move || {
+        concurrent_posts(&address, vec![signed(invoice_paid("evt_first", "in_0", 1))])
+    });
+    rt.block_on(async {
+        let client = app.db.client().await;
+        for _ in 0..200 {
+            let writing: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND state = 'active' AND query LIKE 'INSERT INTO webhook_inbox%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if writing > 0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("the first request's batch never started");
+    });
+    first
+}
+
+/// (rows, overlaps the previous batch) of each committed batch, in order of start.
+async fn batch_log(app: &TestApp) -> Vec<(i64, bool)> {
+    app.db
+        .client()
+        .await
+        .query(
+            "SELECT rows, started < lag(ended) OVER (ORDER BY started) IS TRUE FROM batch_log ORDER BY started",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// A few requests arriving while a batch is written wait for its commit and share the next one,
+/// although three writers are idle: a commit per request would cost the database more.
+#[test]
+fn a_few_requests_behind_a_batch_in_flight_wait_and_share_the_next_batch() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_writers_with_log());
+    let first = first_batch_in_flight(&rt, &app);
+    let wave: Vec<_> = (0..3).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    let replies = concurrent_posts(&app.address, wave);
+    assert!(replies.iter().chain(&first.join().unwrap()).all(|r| r.status == 200), "{replies:?}");
+    assert_eq!(rt.block_on(batch_log(&app)), [(1, false), (3, false)]);
+}
+
+/// As many requests as make a batch worth its own commit (`JOIN_AT`) start one beside the batch
+/// in flight instead of waiting for it.
+#[test]
+fn enough_requests_behind_a_batch_in_flight_start_their_own_beside_it() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_writers_with_log());
+    let first = first_batch_in_flight(&rt, &app);
+    let n = inbox_ingest::batcher::JOIN_AT + 2;
+    let wave: Vec<_> = (0..n).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    let replies = concurrent_posts(&app.address, wave);
+    assert!(replies.iter().chain(&first.join().unwrap()).all(|r| r.status == 200), "{replies:?}");
+    let log = rt.block_on(batch_log(&app));
+    assert_eq!(log.iter().map(|b| b.0).sum::<i64>(), n as i64 + 1, "{log:?}");
+    assert_eq!(log[0].0, 1, "{log:?}");
+    assert!(
+        log[1].0 >= inbox_ingest::batcher::JOIN_AT as i64 && log[1].1,
+        "the wave's batch overlaps the first: {log:?}"
+    );
+}
