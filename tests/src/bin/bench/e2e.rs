@@ -72,6 +72,20 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
                FROM webhook_inbox",
         )
         .await?;
+        // Per second of receipt: a p99 over the target from one stall of the machine shows as one
+        // bad second, a queue that grows as a rising series.
+        let seconds = simple_rows(
+            &client,
+            "WITH m AS (SELECT received_at, extract(epoch FROM processed_at - received_at) * 1000 AS ms
+                          FROM webhook_inbox WHERE left(event_id, 6) = 'evt_m_')
+             SELECT round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)::numeric, 1), round(max(ms)::numeric, 1)
+               FROM m, (SELECT min(received_at) AS t0 FROM m) s
+              GROUP BY floor(extract(epoch FROM received_at - t0))
+              ORDER BY floor(extract(epoch FROM received_at - t0))",
+        )
+        .await?;
+        let per_second: Vec<(f64, f64)> =
+            seconds.iter().filter_map(|r| Some((r[0].parse().ok()?, r[1].parse().ok()?))).collect();
         let r = &rows[0];
         let total: i64 = r[0].parse()?;
         let measured_rows: i64 = r[1].parse()?;
@@ -84,6 +98,8 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let unanswered = load.measured.errors + warm_load.as_ref().map_or(0, |w| w.measured.errors);
         let non_2xx = load.measured.non_2xx + warm_load.as_ref().map_or(0, |w| w.measured.non_2xx);
         let cpu = cpu0.usage(&cpu1, Some(load.measured.ok as f64));
+        let series = |f: fn(&(f64, f64)) -> f64| per_second.iter().map(|v| format!("{:.0}", f(v))).collect::<Vec<_>>().join(" ");
+        ctx.say(&format!("d:   p99 / max ms per second of receipt: {} / {}", series(|v| v.0), series(|v| v.1)));
         ctx.say(&format!(
             "d: sent {:.0}/s, receive-to-processed p50 {:.1} ms p99 {:.1} ms max {max_ms:.1} ms; HTTP p99 {:.1} ms; \
              drained {:.2} s after the last send ({})",
@@ -105,6 +121,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
             "receive_to_processed": {
                 "rows": measured_rows, "p50_ms": pct[0], "p90_ms": pct[1], "p99_ms": pct[2], "p99_9_ms": pct[3],
                 "max_ms": max_ms,
+                "per_second": per_second.iter().map(|(p99, max)| json!({ "p99_ms": p99, "max_ms": max })).collect::<Vec<_>>(),
             },
             "http_latency": load.latency.json(),
             "measured": load.measured.json(),
