@@ -14,7 +14,8 @@ use deadpool_postgres::{Object, Pool};
 use futures_util::FutureExt as _;
 use inbox_domain::handlers::{describe_db_error, BatchHandler, Handler, InboxEvent, Registry};
 use inbox_domain::store::{self, Claimed, InboxKey};
-use tokio_postgres::types::{ToSql, Type};
+use serde_json::value::RawValue;
+use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres::Transaction;
 
 /// What running one event came to.
@@ -194,13 +195,8 @@ impl Step {
 
 /// A row of the lock statements: its key, its event and its ctid.
 fn locked_row(row: tokio_postgres::Row) -> (InboxKey, (InboxEvent, String)) {
-    let event = InboxEvent {
-        provider: row.get(0),
-        endpoint: row.get(1),
-        event_id: row.get(2),
-        event_type: row.get(3),
-        payload: row.get(4),
-    };
+    let payload: Json<Box<RawValue>> = row.get(4);
+    let event = InboxEvent::new(row.get(0), row.get(1), row.get(2), row.get(3), payload.0);
     let key = InboxKey {
         provider: event.provider.clone(),
         endpoint: event.endpoint.clone(),

@@ -492,7 +492,8 @@ struct EventRow {
     endpoint: String,
     event_type: String,
     attempts: i32,
-    payload: serde_json::Value,
+    /// The stored payload as JSON text.
+    payload: Box<serde_json::value::RawValue>,
     processed_at: Option<String>,
 }
 
@@ -513,7 +514,7 @@ async fn lock_event(
             endpoint: r.get(0),
             event_type: r.get(1),
             attempts: r.get(2),
-            payload: r.get(3),
+            payload: r.get::<_, tokio_postgres::types::Json<_>>(3).0,
             processed_at: r.get(4),
         })
         .collect();
@@ -769,13 +770,13 @@ pub async fn replay(database: &tokio_postgres::Config, args: &ReplayArgs) -> any
             row.endpoint
         );
     }
-    let event = InboxEvent {
-        provider: PROVIDER_STRIPE.to_owned(),
-        endpoint: row.endpoint.clone(),
-        event_id: event_id.to_owned(),
-        event_type: row.event_type.clone(),
-        payload: row.payload,
-    };
+    let event = InboxEvent::new(
+        PROVIDER_STRIPE.to_owned(),
+        row.endpoint.clone(),
+        event_id.to_owned(),
+        row.event_type.clone(),
+        row.payload,
+    );
     let registry = Registry::with_invoice_handlers();
     let outcome = match registry.get(&event.event_type) {
         Some(handler) => {
