@@ -85,9 +85,12 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     drain_processes: Vec<usize>,
     /// `inbox-worker run --concurrency` in (c), (d) and scale: with the default --batch-size of
-    /// 32, four transactions in flight per process.
-    #[arg(long, default_value_t = 128)]
+    /// 64, four transactions in flight per process.
+    #[arg(long, default_value_t = 256)]
     worker_concurrency: usize,
+    /// `inbox-worker run --batch-size` in (c), (d) and scale [default: the service's default]
+    #[arg(long)]
+    worker_batch_size: Option<usize>,
     /// `inbox-worker run --poll-interval` in the drains (c, scale).
     #[arg(long, default_value = "50ms")]
     worker_poll_interval: String,
@@ -368,6 +371,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "drain_rows": a.drain_rows,
         "drain_processes": a.drain_processes,
         "worker_concurrency": a.worker_concurrency,
+        "worker_batch_size": a.worker_batch_size,
         "worker_poll_interval": a.worker_poll_interval,
         "scale_rows": a.scale_rows,
         "scale_queued": a.scale_queued,

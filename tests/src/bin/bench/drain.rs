@@ -53,7 +53,14 @@ async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<s
     let started = Instant::now();
     let poll = ctx.args.worker_poll_interval.clone();
     let mut workers: Vec<_> = (0..plan.processes)
-        .map(|_| ctx.bins.start_worker(&db.url, ctx.args.worker_concurrency, &["--poll-interval", &poll]))
+        .map(|_| {
+            ctx.bins.start_worker(
+                &db.url,
+                ctx.args.worker_concurrency,
+                ctx.args.worker_batch_size,
+                &["--poll-interval", &poll],
+            )
+        })
         .collect();
     let pids: Vec<(&str, u32)> = workers.iter().map(|w| ("worker", w.child.id())).collect();
     let cpu0 = CpuSample::take(ctx.server.postmaster, &pids);
@@ -129,6 +136,7 @@ async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<s
     Ok(json!({
         "processes": plan.processes,
         "concurrency": ctx.args.worker_concurrency,
+        "batch_size": ctx.args.worker_batch_size,
         "poll_interval": poll,
         "queued_rows": plan.queued,
         "history_rows": plan.history,

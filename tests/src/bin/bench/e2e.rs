@@ -23,7 +23,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         if let Some(p) = &ctx.args.e2e_poll_interval {
             extra.extend(["--poll-interval", p.as_str()]);
         }
-        let mut worker = ctx.bins.start_worker(&db.url, ctx.args.worker_concurrency, &extra);
+        let mut worker = ctx.bins.start_worker(&db.url, ctx.args.worker_concurrency, ctx.args.worker_batch_size, &extra);
         let client = pg::connect(&db.url).await?;
         let host = addr.to_string();
         let warm_n = (rate * ctx.args.warmup.as_secs_f64()).ceil() as usize + 1;
@@ -117,6 +117,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
             "connections": conns,
             "seconds": load.seconds,
             "worker_concurrency": ctx.args.worker_concurrency,
+            "worker_batch_size": ctx.args.worker_batch_size,
             "worker_poll_interval": ctx.args.e2e_poll_interval.clone().unwrap_or_else(|| "service default".into()),
             "receive_to_processed": {
                 "rows": measured_rows, "p50_ms": pct[0], "p90_ms": pct[1], "p99_ms": pct[2], "p99_9_ms": pct[3],

@@ -81,9 +81,18 @@ impl Bins {
     }
 
     /// Starts `inbox-worker run --concurrency N` (plus `extra` arguments).
-    pub fn start_worker(&self, database_url: &str, concurrency: usize, extra: &[&str]) -> Proc {
+    pub fn start_worker(
+        &self,
+        database_url: &str,
+        concurrency: usize,
+        batch_size: Option<usize>,
+        extra: &[&str],
+    ) -> Proc {
         let mut cmd = self.command("inbox-worker", database_url);
         cmd.arg("run").arg("--concurrency").arg(concurrency.to_string()).args(extra);
+        if let Some(n) = batch_size {
+            cmd.arg("--batch-size").arg(n.to_string());
+        }
         Proc::spawn(cmd)
     }
 }
