@@ -61,7 +61,7 @@ pub struct RunArgs {
     /// Events claimed and processed per transaction (capped at --concurrency). Larger batches
     /// mean fewer commits, statements and PostgreSQL CPU per event; --concurrency / --batch-size
     /// transactions run at once.
-    #[arg(long, env = "INBOX_WORKER_BATCH", default_value_t = 32,
+    #[arg(long, env = "INBOX_WORKER_BATCH", default_value_t = 64,
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub batch_size: u32,
 
