@@ -668,6 +668,19 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM invoices WHERE id IN ('in_2', 'in_5')").await, 0);
 }
 
+/// Queues `n` unprocessed rows of `event_type` with ~1.5 KB payloads, in one statement.
+async fn queue_rows(client: &tokio_postgres::Client, n: i32, event_type: &str) {
+    client
+        .execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_' || i, $2, jsonb_build_object('pad', repeat('x', 1500))
+               FROM generate_series(1, $1) i",
+            &[&n, &event_type],
+        )
+        .await
+        .unwrap();
+}
+
 /// Planned for their arguments (the worker sends them unnamed), the claim, the lock and the mark
 /// find a batch's rows through the partial index or by TID on a queue of 20k rows — no plan
 /// scans the queue.
@@ -694,14 +707,7 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
     for (name, sql, types, _, _) in &statements {
         client.batch_execute(&format!("PREPARE {name}({types}) AS {sql}")).await.unwrap();
     }
-    client
-        .batch_execute(
-            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
-             SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid', jsonb_build_object('pad', repeat('x', 1500))
-               FROM generate_series(1, 20000) i",
-        )
-        .await
-        .unwrap();
+    queue_rows(&client, 20_000, "invoice.paid").await;
     for (name, _, _, args, access) in &statements {
         let plan: Vec<String> = client
             .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}"), &[])
@@ -750,14 +756,7 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
         let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
         assert_eq!(outcomes, vec![Outcome::Processed; 32]);
     }
-    client
-        .batch_execute(
-            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
-             SELECT 'stripe', 'billing', 'evt_' || i, 'test.unhandled', jsonb_build_object('pad', repeat('x', 1500))
-               FROM generate_series(1, 20000) i",
-        )
-        .await
-        .unwrap();
+    queue_rows(&client, 20_000, "test.unhandled").await;
     let claimed = claim(&pool, 32, LEASE, 10).await;
     let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
     let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
