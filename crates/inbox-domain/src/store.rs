@@ -252,7 +252,8 @@ pub fn truncate_error(message: &str) -> &str {
     &message[..end]
 }
 
-/// Runs [`RECORD_FAILURE_SQL`] (unnamed, see the module's "Plans"); returns the row's attempts, or None when it was processed meanwhile.
+/// Runs [`RECORD_FAILURE_SQL`] (unnamed, see the module's "Plans"); returns the row's attempts,
+/// or None when it was processed meanwhile.
 pub async fn record_failure(
     client: &Client,
     key: &InboxKey,

@@ -1,8 +1,11 @@
 //! Group commit in the ingest: concurrent requests share one INSERT, each answered after its
 //! commit; duplicates inside a batch, a failing batch and one bad payload in a batch.
 
+use std::time::Duration;
+
 use inbox_tests::app::concurrent_posts;
 use inbox_tests::events::{invoice_paid, sign, SECRET_A};
+use inbox_tests::worker::{eventually, scalar};
 use inbox_tests::{spawn_app_with, TestApp, TestDb};
 
 /// An ingest with one batch writer whose every INSERT takes 300 ms (plus `extra` SQL in the
@@ -20,7 +23,7 @@ async fn slow_single_writer(extra: &str) -> TestApp {
         .unwrap();
     spawn_app_with(db, |s| {
         s.pool_size = 3;
-        s.db_timeout = std::time::Duration::from_secs(10);
+        s.db_timeout = Duration::from_secs(10);
     })
     .await
 }
@@ -106,7 +109,7 @@ async fn slow_writers_with_log() -> TestApp {
         .unwrap();
     spawn_app_with(db, |s| {
         s.pool_size = 6; // four writers
-        s.db_timeout = std::time::Duration::from_secs(10);
+        s.db_timeout = Duration::from_secs(10);
     })
     .await
 }
@@ -122,22 +125,12 @@ fn first_batch_in_flight(
     });
     rt.block_on(async {
         let client = app.db.client().await;
-        for _ in 0..200 {
-            let writing: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE datname = current_database() AND state = 'active' AND query LIKE 'INSERT INTO webhook_inbox%'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if writing > 0 {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-        panic!("the first request's batch never started");
+        let writing = "SELECT count(*) FROM pg_stat_activity
+                        WHERE datname = current_database() AND state = 'active'
+                          AND query LIKE 'INSERT INTO webhook_inbox%'";
+        let started =
+            eventually(Duration::from_secs(2), || async { scalar(&client, writing).await > 0 }).await;
+        assert!(started, "the first request's batch never started");
     });
     first
 }

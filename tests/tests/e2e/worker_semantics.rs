@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use inbox_domain::handlers::{HandlerFuture, InboxEvent, Registry};
 use inbox_tests::events::{invoice_event, invoice_paid};
-use inbox_tests::worker::{claim, execute, pool, scalar, store_event, test_limits};
+use inbox_tests::worker::{claim, eventually, execute, pool, scalar, store_event, test_limits};
 use inbox_tests::TestDb;
 use inbox_worker::executor::Outcome;
 
@@ -762,16 +762,11 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
     let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
     assert_eq!(outcomes, vec![Outcome::Ignored; 32]);
     drop(conn);
-    pool.close(); // The session ends and reports its statistics.
-                  // An ending session reports its statistics before it leaves pg_stat_activity.
-    for _ in 0..100 {
-        let sessions = "SELECT count(*) FROM pg_stat_activity
-                         WHERE datname = current_database() AND application_name = 'inbox-test'";
-        if scalar(&client, sessions).await == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // The session ends, and reports its statistics before it leaves pg_stat_activity.
+    pool.close();
+    let sessions = "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = current_database() AND application_name = 'inbox-test'";
+    eventually(Duration::from_secs(2), || async { scalar(&client, sessions).await == 0 }).await;
     let tuples_read = scalar(
         &client,
         "SELECT (SELECT seq_tup_read + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE relname = 'webhook_inbox')
