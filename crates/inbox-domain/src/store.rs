@@ -203,6 +203,14 @@ UPDATE webhook_inbox
    SET processed_at = now(), last_error = NULL
  WHERE ctid = ANY($1::text[]::tid[])";
 
+/// Runs [`MARK_PROCESSED_SQL`] for the rows at `ctids`, unnamed (see the module's "Plans").
+pub async fn mark_processed(
+    tx: &tokio_postgres::Transaction<'_>,
+    ctids: &[&str],
+) -> Result<u64, tokio_postgres::Error> {
+    tx.execute_typed(MARK_PROCESSED_SQL, &[(&ctids, Type::TEXT_ARRAY)]).await
+}
+
 /// Splits keys into the three column arrays the batch statements take.
 pub fn key_columns<'a>(
     keys: impl Iterator<Item = &'a InboxKey>,

@@ -16,7 +16,6 @@ use inbox_domain::handlers::{describe_db_error, BatchHandler, Handler, InboxEven
 use inbox_domain::store::{self, Claimed, InboxKey};
 use serde_json::value::RawValue;
 use tokio_postgres::types::{Json, ToSql, Type};
-use tokio_postgres::Transaction;
 
 /// What running one event came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -306,7 +305,7 @@ async fn run_pass(
             if done.is_empty() {
                 return Ok(0);
             }
-            mark_processed(&tx, &done).await
+            store::mark_processed(&tx, &done).await
         };
         // Handlers first: their first statements are queued before the mark.
         let (results, marked) = tokio::join!(futures_util::future::join_all(runs), mark_all);
@@ -364,15 +363,10 @@ async fn run_pass(
     if done.is_empty() {
         tx.rollback().await?;
     } else {
-        mark_processed(&tx, &done).await?;
+        store::mark_processed(&tx, &done).await?;
         tx.commit().await?;
     }
     Ok(Pass::Done(outcomes))
-}
-
-/// [`store::MARK_PROCESSED_SQL`] for the rows at `ctids`, unnamed (see the store module's "Plans").
-async fn mark_processed(tx: &Transaction<'_>, ctids: &[&str]) -> Result<u64, tokio_postgres::Error> {
-    tx.execute_typed(store::MARK_PROCESSED_SQL, &[(&ctids, Type::TEXT_ARRAY)]).await
 }
 
 fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
