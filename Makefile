@@ -6,6 +6,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 WITH_DB := scripts/with-db.sh
+# The two product binaries; the tools (bench, chaos) are built only by their own targets.
+PRODUCT := -p inbox-ingest -p inbox-worker
+# What `make test` builds and runs: everything but the tools.
+TOOLS := --exclude inbox-bench --exclude inbox-chaos
 
 .DEFAULT_GOAL := help
 .PHONY: help build build-release run test lint fmt db-start db-stop db-reset db-url psql clean
@@ -14,34 +18,36 @@ help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 build: ## Build the binaries (debug, as the tests use them)
-	$(CARGO) build --workspace --bins
+	$(CARGO) build --bins $(PRODUCT)
 
-build-release: ## Build the binaries (release, as make run and the image use them)
-	$(CARGO) build --workspace --bins --release
+build-release: ## Build the two product binaries (release, as make run and the image use them)
+	$(CARGO) build --bins --release -p inbox-ingest -p inbox-worker
 
 run: build-release ## Local PostgreSQL, migrate, run inbox-ingest (+ worker); prints how to send an event
 	@$(WITH_DB) scripts/run.sh
 
-test: build ## Every test, against the local PostgreSQL (or DATABASE_URL)
+test: build ## Every test and doctest, against the local PostgreSQL (or DATABASE_URL)
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
-	    $(WITH_DB) $(CARGO) nextest run --workspace $(if $(CI),--profile ci,); \
+	    $(WITH_DB) $(CARGO) nextest run --workspace $(TOOLS) $(if $(CI),--profile ci,); \
 	else \
-	    $(WITH_DB) $(CARGO) test --workspace; \
+	    $(WITH_DB) $(CARGO) test --workspace $(TOOLS) --lib --bins --tests; \
 	fi
+	$(CARGO) test --doc --workspace $(TOOLS)
 
 CHAOS_DURATION ?= 5m
 CHAOS_RATE ?= 100
 CHAOS_FAULT_INTERVAL ?= 5s
 CHAOS_ARGS ?=
 .PHONY: chaos
-chaos: build ## Load + faults (kill -9, pg restarts, …), then check nothing lost/doubled; target/chaos/report.json
+chaos: ## Load + faults (kill -9, pg restarts, …), then check nothing lost/doubled; target/chaos/report.json
+	$(CARGO) build --bins $(PRODUCT) -p inbox-chaos
 	$(WITH_DB) target/debug/chaos --duration $(CHAOS_DURATION) --rate $(CHAOS_RATE) \
 	    --fault-interval $(CHAOS_FAULT_INTERVAL) $(CHAOS_ARGS)
 
 BENCH_ARGS ?=
 .PHONY: bench
 bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); table + target/bench/report.json
-	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --release --bins $(PRODUCT) -p inbox-bench
 	$(WITH_DB) target/release/bench $(BENCH_ARGS)
 
 lint: ## rustfmt check and clippy with warnings as errors

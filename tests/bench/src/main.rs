@@ -1,0 +1,378 @@
+//! `make bench`: the throughput and latency of stripe-inbox as ratios to what this PostgreSQL
+//! can commit, all measured in one run on one server.
+//!
+//! Phases (`--phases`, default all):
+//!   a      the limit: `pgbench -M prepared` running the ingest's INSERT … ON CONFLICT DO NOTHING
+//!          with the same ~2 KB body, at each `--connections` client count;
+//!   b      ingest: pre-signed unique `invoice.paid` webhooks over N keep-alive connections
+//!          (closed loop): req/s, latency percentiles, non-2xx, rows stored = 2xx;
+//!   c      worker drain of `--drain-rows` queued rows with the full handler, 1 and 2 processes:
+//!          events/s, commits/event, WAL bytes/event, dead tuples and sizes after the drain;
+//!   d      end to end at half of (b)'s 32-connection rate: receive-to-processed p50/p99;
+//!   e      peak RSS (VmHWM) of each binary in b, c, d;
+//!   scale  the drain again with `--scale-rows` processed rows in the table; claim EXPLAINs.
+//!
+//! Each phase runs in a fresh database `inbox_bench_<pid>_<phase>` on the server of
+//! `DATABASE_URL` (scripts/with-db.sh: the local cluster), migrated by `inbox-worker migrate`
+//! and dropped afterwards. Service binaries are taken from this binary's directory
+//! (target/release). Prints one table and writes target/bench/report.json.
+
+#![recursion_limit = "256"]
+
+mod drain;
+mod e2e;
+mod http;
+mod ingest;
+mod payload;
+mod pg;
+mod pgbench;
+mod report;
+mod services;
+mod util;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Phase {
+    A,
+    B,
+    C,
+    D,
+    E,
+    Scale,
+}
+
+/// Benchmark of stripe-inbox against the commit rate of its PostgreSQL (see `make bench`).
+#[derive(Debug, Parser)]
+#[command(name = "bench", max_term_width = 100)]
+pub struct Args {
+    /// The server to run on; each phase creates (and drops) a database of its own there.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// Phases to run, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "a,b,c,d,e,scale")]
+    phases: Vec<Phase>,
+    /// Measured time of each pgbench run, ingest run and the end-to-end run.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Unmeasured load before each measured window.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    warmup: Duration,
+    /// Client / connection counts of (a) and (b).
+    #[arg(long, value_delimiter = ',', default_value = "32,256")]
+    connections: Vec<usize>,
+    /// Rows queued for the drain (c).
+    #[arg(long, default_value_t = 50_000)]
+    drain_rows: u64,
+    /// Worker process counts of the drain (c).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    drain_processes: Vec<usize>,
+    /// `inbox-worker run --concurrency` in (c), (d) and scale: with the default --batch-size of
+    /// 64, four transactions in flight per process.
+    #[arg(long, default_value_t = 256)]
+    worker_concurrency: usize,
+    /// `inbox-worker run --batch-size` in (c), (d) and scale [default: the service's default]
+    #[arg(long)]
+    worker_batch_size: Option<usize>,
+    /// `inbox-worker run --poll-interval` in the drains (c, scale).
+    #[arg(long, default_value = "50ms")]
+    worker_poll_interval: String,
+    /// Give up on a drain after this long.
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+    /// Processed rows present in the scale phase's table.
+    #[arg(long, default_value_t = 1_000_000)]
+    scale_rows: u64,
+    /// Queued rows drained in the scale phase (by 1 worker process).
+    #[arg(long, default_value_t = 100_000)]
+    scale_queued: u64,
+    /// Webhooks/s of (d) [default: half of (b)'s rate at 32 connections].
+    #[arg(long)]
+    e2e_rate: Option<f64>,
+    /// Connections the open-loop sender of (d) spreads its requests over [default: enough for
+    /// 100 ms per request at the rate, 32 to 256].
+    #[arg(long)]
+    e2e_connections: Option<usize>,
+    /// `inbox-worker run --poll-interval` in (d) [default: the service's default; it relies on
+    /// the ingest's NOTIFY].
+    #[arg(long)]
+    e2e_poll_interval: Option<String>,
+    /// pgbench -j.
+    #[arg(long, default_value_t = 2)]
+    pgbench_threads: usize,
+    /// Threads of this program's runtime (the load generator).
+    #[arg(long, default_value_t = 2)]
+    loadgen_threads: usize,
+    /// Directory of inbox-ingest and inbox-worker [default: this binary's directory].
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// Where report.json and the pgbench files go [default: <target>/bench].
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+    /// Exit 1 when a figure misses its target (the run itself failing always exits 1).
+    #[arg(long)]
+    check: bool,
+}
+
+/// What every phase uses.
+pub struct Ctx {
+    pub args: Args,
+    pub server: pg::Server,
+    pub bins: services::Bins,
+    pub out_dir: PathBuf,
+    pub start: Instant,
+    /// The `invoice.paid` body template (see [`payload`]).
+    pub template: String,
+}
+
+impl Ctx {
+    pub fn say(&self, msg: &str) {
+        eprintln!("[{}] {msg}", util::elapsed(self.start));
+    }
+
+    pub async fn migrate(&self, url: &str) -> anyhow::Result<()> {
+        tokio::task::block_in_place(|| self.bins.migrate(url))
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.loadgen_threads.max(1))
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("bench: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the phases; Ok(false) when a phase failed (or, with --check, a target was missed).
+async fn run(args: Args) -> anyhow::Result<bool> {
+    let start = Instant::now();
+    let started_at = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let bin_dir = match &args.bin_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe()?.parent().context("no directory of the bench binary")?.to_path_buf(),
+    };
+    let bins = services::Bins::new(bin_dir.clone())?;
+    let out_dir = args.out_dir.clone().unwrap_or_else(|| {
+        bin_dir.parent().map_or_else(|| PathBuf::from("target"), |p| p.to_path_buf()).join("bench")
+    });
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let server = pg::Server::open(&args.database_url).await?;
+    let ctx = Ctx { args, server, bins, out_dir, start, template: payload::invoice_paid_template() };
+    let machine = machine_info(&ctx).await?;
+    for line in report::machine_lines(&machine) {
+        ctx.say(&line);
+    }
+
+    let outcome = phases(&ctx).await;
+    ctx.server.drop_all().await;
+    let mut results = outcome;
+    results.insert("machine".into(), machine);
+    results.insert("load_average_end".into(), json!(load_average()));
+    results.insert("started_at".into(), json!(started_at));
+    results.insert("run_seconds".into(), json!(start.elapsed().as_secs_f64()));
+    results.insert("settings".into(), settings_json(&ctx.args));
+
+    let table = report::Table::build(&results);
+    let failed_phases = results.get("errors").and_then(|e| e.as_object()).is_some_and(|e| !e.is_empty());
+    eprintln!();
+    for line in report::machine_lines(&results["machine"]) {
+        println!("{line}");
+    }
+    table.print();
+    println!("full run: {:.0} s", start.elapsed().as_secs_f64());
+    results.insert("table".into(), table.json());
+    let path = ctx.out_dir.join("report.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&serde_json::Value::Object(results))?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("report: {}", path.display());
+    let missed = ctx.args.check && table.any_missed();
+    Ok(!failed_phases && !missed)
+}
+
+async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
+    let want = |p: Phase| ctx.args.phases.contains(&p);
+    let mut out = serde_json::Map::new();
+    let mut errors = serde_json::Map::new();
+    let mut note_err = |key: String, e: anyhow::Error, ctx: &Ctx| {
+        ctx.say(&format!("{key}: FAILED: {e:#}"));
+        errors.insert(key, json!(format!("{e:#}")));
+    };
+
+    let mut pgbench = BTreeMap::new();
+    if want(Phase::A) {
+        for &c in &ctx.args.connections {
+            match pgbench::run(ctx, c).await {
+                Ok(v) => {
+                    pgbench.insert(c, v);
+                }
+                Err(e) => note_err(format!("a{c}"), e, ctx),
+            }
+        }
+    }
+    let tps = |c: usize| pgbench.get(&c).and_then(|v: &serde_json::Value| v["tps"].as_f64());
+
+    let mut ingest = BTreeMap::new();
+    if want(Phase::B) {
+        for &c in &ctx.args.connections {
+            match ingest::run(ctx, c, tps(c)).await {
+                Ok(v) => {
+                    ingest.insert(c, v);
+                }
+                Err(e) => note_err(format!("b{c}"), e, ctx),
+            }
+        }
+    }
+
+    let mut drains = BTreeMap::new();
+    if want(Phase::C) {
+        for &p in &ctx.args.drain_processes {
+            let plan = drain::Plan {
+                label: &format!("c{p}"),
+                db_suffix: format!("c{p}"),
+                processes: p,
+                queued: ctx.args.drain_rows,
+                history: 0,
+            };
+            match drain::run(ctx, &plan).await {
+                Ok(v) => {
+                    drains.insert(p, v);
+                }
+                Err(e) => note_err(format!("c{p}"), e, ctx),
+            }
+        }
+    }
+
+    if want(Phase::D) {
+        let b32 = ingest.get(&32).or_else(|| ingest.values().next());
+        let (rate, source) = match (ctx.args.e2e_rate, b32) {
+            (Some(r), _) => (r, "--e2e-rate".to_owned()),
+            (None, Some(b)) => {
+                (b["req_per_s"].as_f64().unwrap_or(600.0) / 2.0, format!("half of b{}", b["connections"]))
+            }
+            (None, None) => (300.0, "no (b) result: default 300/s".to_owned()),
+        };
+        match e2e::run(ctx, rate.max(1.0), &source).await {
+            Ok(v) => {
+                out.insert("e2e".into(), v);
+            }
+            Err(e) => note_err("d".into(), e, ctx),
+        }
+    }
+
+    if want(Phase::Scale) {
+        let plan = drain::Plan {
+            label: "scale",
+            db_suffix: "scale".into(),
+            processes: 1,
+            queued: ctx.args.scale_queued,
+            history: ctx.args.scale_rows,
+        };
+        match drain::run(ctx, &plan).await {
+            Ok(v) => {
+                out.insert("scale".into(), v);
+            }
+            Err(e) => note_err("scale".into(), e, ctx),
+        }
+    }
+
+    let keyed = |m: BTreeMap<usize, serde_json::Value>| {
+        serde_json::Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+    };
+    out.insert("pgbench".into(), keyed(pgbench));
+    out.insert("ingest".into(), keyed(ingest));
+    out.insert("drain".into(), keyed(drains));
+    out.insert("rss".into(), report::rss_json(&out));
+    out.insert(
+        "phases".into(),
+        json!(ctx.args.phases.iter().map(|p| format!("{p:?}").to_lowercase()).collect::<Vec<_>>()),
+    );
+    out.insert("errors".into(), serde_json::Value::Object(errors));
+    out
+}
+
+async fn machine_info(ctx: &Ctx) -> anyhow::Result<serde_json::Value> {
+    let cpu_model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("model name"))
+            .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+    });
+    let mem_kib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok())
+    });
+    let repo = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(repo)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    Ok(json!({
+        "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "cpu_model": cpu_model,
+        "memory_kib": mem_kib,
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
+        "load_average_start": load_average(),
+        "postgres": ctx.server.machine_info().await?,
+        "postgres_local": ctx.server.postmaster.is_some(),
+        "git_commit": git(&["rev-parse", "--short", "HEAD"]),
+        "git_dirty": git(&["status", "--porcelain", "--untracked-files=no"]).map(|s| !s.is_empty()),
+        "bin_dir": ctx.bins.dir.display().to_string(),
+    }))
+}
+
+fn load_average() -> Option<String> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+}
+
+fn settings_json(a: &Args) -> serde_json::Value {
+    json!({
+        "phases": a.phases.iter().map(|p| format!("{p:?}").to_lowercase()).collect::<Vec<_>>(),
+        "duration_s": a.duration.as_secs_f64(),
+        "warmup_s": a.warmup.as_secs_f64(),
+        "connections": a.connections,
+        "drain_rows": a.drain_rows,
+        "drain_processes": a.drain_processes,
+        "worker_concurrency": a.worker_concurrency,
+        "worker_batch_size": a.worker_batch_size,
+        "worker_poll_interval": a.worker_poll_interval,
+        "scale_rows": a.scale_rows,
+        "scale_queued": a.scale_queued,
+        "e2e_rate": a.e2e_rate,
+        "e2e_connections": a.e2e_connections,
+        "e2e_poll_interval": a.e2e_poll_interval,
+        "pgbench_threads": a.pgbench_threads,
+        "loadgen_threads": a.loadgen_threads,
+        "body_bytes": payload::invoice_paid_template()
+            .replace(payload::EVT, &payload::event_id("b32_", 0))
+            .replace(payload::INV, &payload::invoice_id("b32_", 0))
+            .len(),
+    })
+}

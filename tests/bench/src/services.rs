@@ -1,0 +1,124 @@
+//! The release binaries as processes: `inbox-worker migrate`, `inbox-ingest`, `inbox-worker run`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use inbox_test_support::process::Proc;
+
+use crate::payload::SECRET;
+
+/// Where the service binaries are (beside this one: `target/release`).
+pub struct Bins {
+    pub dir: PathBuf,
+}
+
+impl Bins {
+    pub fn new(dir: PathBuf) -> anyhow::Result<Bins> {
+        for name in ["inbox-ingest", "inbox-worker"] {
+            let path = dir.join(name);
+            if !path.exists() {
+                bail!(
+                    "{} not found: build them first (`cargo build --release --workspace --bins`)",
+                    path.display()
+                );
+            }
+        }
+        Ok(Bins { dir })
+    }
+
+    /// A command with a clean environment, JSON logs, warnings only.
+    fn command(&self, name: &str, database_url: &str) -> Command {
+        let mut cmd = Command::new(self.dir.join(name));
+        cmd.env_clear();
+        if let Some(path) = std::env::var_os("PATH") {
+            cmd.env("PATH", path);
+        }
+        cmd.env("LOG_FORMAT", "json").env("RUST_LOG", "warn").env("DATABASE_URL", database_url);
+        cmd
+    }
+
+    /// `inbox-worker migrate` on `database_url`.
+    pub fn migrate(&self, database_url: &str) -> anyhow::Result<()> {
+        let out = self
+            .command("inbox-worker", database_url)
+            .arg("migrate")
+            .output()
+            .context("running inbox-worker migrate")?;
+        if !out.status.success() {
+            bail!(
+                "inbox-worker migrate failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// Starts `inbox-ingest` on a free port and waits until `/healthz` answers 200.
+    pub async fn start_ingest(&self, database_url: &str) -> anyhow::Result<(Proc, SocketAddr)> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let mut cmd = self.command("inbox-ingest", database_url);
+        cmd.env("INBOX_ENDPOINTS", format!("billing={SECRET}")).env("INBOX_LISTEN", addr.to_string());
+        let mut proc = Proc::spawn(cmd);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = proc.child.try_wait()? {
+                bail!("inbox-ingest exited at start-up ({status}):\n{}", proc.output());
+            }
+            if matches!(crate::http::get_status(addr, "/healthz").await, Ok(200)) {
+                return Ok((proc, addr));
+            }
+            if Instant::now() > deadline {
+                bail!("inbox-ingest did not answer /healthz within 30 s:\n{}", proc.output());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Starts `inbox-worker run --concurrency N` (plus `extra` arguments).
+    pub fn start_worker(
+        &self,
+        database_url: &str,
+        concurrency: usize,
+        batch_size: Option<usize>,
+        extra: &[&str],
+    ) -> Proc {
+        let mut cmd = self.command("inbox-worker", database_url);
+        cmd.arg("run").arg("--concurrency").arg(concurrency.to_string()).args(extra);
+        if let Some(n) = batch_size {
+            cmd.arg("--batch-size").arg(n.to_string());
+        }
+        Proc::spawn(cmd)
+    }
+}
+
+/// Fails when the process has exited (it should be serving).
+pub fn check_alive(proc: &mut Proc, what: &str) -> anyhow::Result<()> {
+    if let Some(status) = proc.child.try_wait()? {
+        bail!("{what} exited unexpectedly ({status}):\n{}", proc.output());
+    }
+    Ok(())
+}
+
+/// SIGTERM, then SIGKILL after `timeout`; returns whether it exited on its own in time.
+pub async fn stop(proc: &mut Proc, timeout: Duration) -> bool {
+    if matches!(proc.child.try_wait(), Ok(Some(_))) {
+        return true;
+    }
+    inbox_test_support::process::kill(proc.child.id() as i32, libc::SIGTERM);
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if matches!(proc.child.try_wait(), Ok(Some(_))) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = proc.child.kill();
+    let _ = proc.child.wait();
+    false
+}

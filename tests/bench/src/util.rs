@@ -1,0 +1,192 @@
+//! Percentiles, CPU and memory readings from /proc, and small formatting helpers.
+
+use std::time::Instant;
+
+/// Linux reports CPU times in USER_HZ ticks, 100 per second on every mainstream architecture.
+const TICKS_PER_S: f64 = 100.0;
+
+/// Latency percentiles (input in microseconds) in milliseconds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Percentiles {
+    pub count: usize,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+impl Percentiles {
+    pub fn of(mut micros: Vec<u32>) -> Percentiles {
+        if micros.is_empty() {
+            return Percentiles::default();
+        }
+        micros.sort_unstable();
+        let at = |q: f64| {
+            let i = ((q * micros.len() as f64).ceil() as usize).clamp(1, micros.len()) - 1;
+            micros[i] as f64 / 1e3
+        };
+        let sum: u64 = micros.iter().map(|&v| v as u64).sum();
+        Percentiles {
+            count: micros.len(),
+            p50: at(0.50),
+            p90: at(0.90),
+            p99: at(0.99),
+            p999: at(0.999),
+            max: *micros.last().unwrap() as f64 / 1e3,
+            mean: sum as f64 / micros.len() as f64 / 1e3,
+        }
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "count": self.count, "p50_ms": r3(self.p50), "p90_ms": r3(self.p90), "p99_ms": r3(self.p99),
+            "p99_9_ms": r3(self.p999), "max_ms": r3(self.max), "mean_ms": r3(self.mean),
+        })
+    }
+}
+
+pub fn r3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+pub use inbox_test_support::process::rss_kib;
+
+/// utime + stime (and, with `children`, cutime + cstime) of a process, in ticks.
+fn proc_ticks(pid: u32, children: bool) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start at field 3 (state).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<u64> = rest.split_whitespace().skip(11).take(4).filter_map(|v| v.parse().ok()).collect();
+    if f.len() < 4 {
+        return None;
+    }
+    Some(f[0] + f[1] + if children { f[2] + f[3] } else { 0 })
+}
+
+fn parent_pid(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 2..].split_whitespace().nth(1)?.parse().ok()
+}
+
+/// CPU of the whole PostgreSQL server: the postmaster, the children it has reaped (cutime) and
+/// the live children.
+fn postgres_ticks(postmaster: u32) -> Option<u64> {
+    let mut total = proc_ticks(postmaster, true)?;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if parent_pid(pid) == Some(postmaster) {
+            total += proc_ticks(pid, false).unwrap_or(0);
+        }
+    }
+    Some(total)
+}
+
+/// (busy, total) ticks of the machine from /proc/stat.
+fn machine_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let v: Vec<u64> =
+        stat.lines().next()?.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// A CPU reading of the machine, this process, PostgreSQL and the named service processes.
+#[derive(Debug, Clone)]
+pub struct CpuSample {
+    at: Instant,
+    machine: Option<(u64, u64)>,
+    own: Option<u64>,
+    postgres: Option<u64>,
+    procs: Vec<(String, u32, Option<u64>)>,
+}
+
+impl CpuSample {
+    pub fn take(postmaster: Option<u32>, procs: &[(&str, u32)]) -> CpuSample {
+        CpuSample {
+            at: Instant::now(),
+            machine: machine_ticks(),
+            own: proc_ticks(std::process::id(), true),
+            postgres: postmaster.and_then(postgres_ticks),
+            procs: procs.iter().map(|&(n, pid)| (n.to_owned(), pid, proc_ticks(pid, false))).collect(),
+        }
+    }
+
+    /// CPU used between `self` and `later`, in percent of one core (machine: of all cores), and
+    /// in CPU-microseconds per `units` (requests, events) where given.
+    pub fn usage(&self, later: &CpuSample, units: Option<f64>) -> serde_json::Value {
+        let secs = later.at.duration_since(self.at).as_secs_f64().max(1e-6);
+        let pct = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => {
+                serde_json::json!((b.saturating_sub(a) as f64 / TICKS_PER_S / secs * 1000.0).round() / 10.0)
+            }
+            _ => serde_json::Value::Null,
+        };
+        let per_unit = |a: Option<u64>, b: Option<u64>| match (a, b, units) {
+            (Some(a), Some(b), Some(u)) if u > 0.0 => {
+                serde_json::json!((b.saturating_sub(a) as f64 / TICKS_PER_S * 1e6 / u).round())
+            }
+            _ => serde_json::Value::Null,
+        };
+        let mut out = serde_json::json!({
+            "seconds": r3(secs),
+            "postgres_pct_of_core": pct(self.postgres, later.postgres),
+            "bench_pct_of_core": pct(self.own, later.own),
+            "postgres_cpu_us_per_unit": per_unit(self.postgres, later.postgres),
+        });
+        // Processes with the same name (several workers) are summed.
+        let mut names: Vec<&str> = self.procs.iter().map(|p| p.0.as_str()).collect();
+        names.dedup();
+        for name in names {
+            let sum = |s: &CpuSample| {
+                s.procs
+                    .iter()
+                    .filter(|p| p.0 == name)
+                    .map(|p| p.2)
+                    .try_fold(0u64, |acc, t| t.map(|t| acc + t))
+            };
+            let (a, b) = (sum(self), sum(later));
+            out[format!("{name}_pct_of_core")] = pct(a, b);
+            out[format!("{name}_cpu_us_per_unit")] = per_unit(a, b);
+        }
+        if let (Some((b0, t0)), Some((b1, t1))) = (self.machine, later.machine) {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            let busy = (b1 - b0) as f64 / (t1 - t0).max(1) as f64;
+            out["machine_busy_pct"] = serde_json::json!((busy * 1000.0).round() / 10.0);
+            out["machine_cores"] = serde_json::json!(cores);
+            // Whatever else ran meanwhile (other people's builds and tests on a shared machine).
+            let known: f64 = out
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(k, _)| k.ends_with("_pct_of_core"))
+                .filter_map(|(_, v)| v.as_f64())
+                .sum();
+            out["other_pct_of_core"] = serde_json::json!((busy * cores * 100.0 - known).max(0.0).round());
+        }
+        out
+    }
+}
+
+/// A short human form of a CPU usage object: `postgres 95%, ingest 80%, bench 20%, machine 97%`.
+pub fn cpu_summary(cpu: &serde_json::Value) -> String {
+    let mut parts = Vec::new();
+    if let Some(map) = cpu.as_object() {
+        for (k, v) in map {
+            if let (Some(name), Some(v)) = (k.strip_suffix("_pct_of_core"), v.as_f64()) {
+                parts.push(format!("{name} {v:.0}%"));
+            }
+        }
+    }
+    if let Some(v) = cpu["machine_busy_pct"].as_f64() {
+        parts.push(format!("machine busy {v:.0}%"));
+    }
+    parts.join(", ")
+}
+
+/// Seconds since `start`, for progress lines.
+pub fn elapsed(start: Instant) -> String {
+    format!("{:7.1}s", start.elapsed().as_secs_f64())
+}

@@ -1,0 +1,603 @@
+//! `make chaos`: the whole system under Stripe-like load while processes, connections and the
+//! PostgreSQL server are killed, then a check that no acknowledged event was lost and no payment
+//! booked twice.
+//!
+//! Runs against the server of `DATABASE_URL` (`scripts/with-db.sh` sets the local cluster's) in a
+//! database of its own, `inbox_chaos_<pid>`, dropped at the end unless `--keep`. Starts two
+//! `inbox-ingest` and three `inbox-worker run` from `target/debug` (or `$INBOX_BIN_DIR`), a load
+//! generator and a fault injector; after `--duration` it stops the faults, lets the senders finish
+//! their retries, waits for the queue to drain and checks the database. Prints a report and
+//! writes it to `target/chaos/report.json`; exits 0 only when nothing was lost, doubled or stuck
+//! and every fault kind was injected.
+
+#![recursion_limit = "256"]
+
+mod check;
+mod faults;
+mod load;
+mod procs;
+mod rng;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+use crate::faults::{Faults, Kind, KINDS};
+use crate::load::Load;
+use crate::procs::{Spec, Supervisor};
+use crate::rng::Rng;
+
+/// Chaos run of stripe-inbox: Stripe-like load, faults, then a check of every acknowledged event.
+#[derive(Debug, Parser)]
+#[command(name = "chaos", max_term_width = 100)]
+struct Args {
+    /// How long load and faults run (then: final retries, drain, checks).
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// New events offered per second.
+    #[arg(long, default_value_t = 100.0)]
+    rate: f64,
+    /// HTTP requests in flight at most.
+    #[arg(long, default_value_t = 16)]
+    senders: usize,
+    /// Mean time between two faults (each wait is 0.5–1.5 times this).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    fault_interval: Duration,
+    /// Seed of every random choice [default: from the clock].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// After the duration, how long the senders keep retrying unacknowledged events.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    final_retry: Duration,
+    /// How long to wait for the queue to drain before checking.
+    #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+    /// Number of inbox-ingest processes.
+    #[arg(long, default_value_t = 2)]
+    ingests: usize,
+    /// Number of inbox-worker processes.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// The workers' --max-attempts (high, so that faults do not park legitimate events).
+    #[arg(long, default_value_t = 50)]
+    max_attempts: u32,
+    /// Keep the chaos database (and print its URL) instead of dropping it.
+    #[arg(long)]
+    keep: bool,
+    /// Where report.json and logs/ go [default: <repo>/target/chaos].
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+    /// Self-test of the checks: after the drain, delete one acknowledged row, add a second outbox
+    /// row for one payment and un-process one row; the run must then FAIL with lost, doubled and
+    /// stuck at 1.
+    #[arg(long, hide = true)]
+    sabotage: bool,
+}
+
+const SECRET: &str = inbox_test_support::events::SECRET_A;
+const DB_PREFIX: &str = "inbox_chaos_";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap_or_else(|_| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")))
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    match runtime.block_on(run(args)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("chaos: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<bool> {
+    let root = repo_root();
+    let out_dir = args.out_dir.clone().unwrap_or_else(|| root.join("target/chaos"));
+    let log_dir = out_dir.join("logs");
+    if log_dir.exists() {
+        std::fs::remove_dir_all(&log_dir).context("clearing the old logs")?;
+    }
+    std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos()
+            as u64
+    });
+    let mut rng = Rng::new(seed);
+
+    let admin_url = std::env::var("DATABASE_URL")
+        .context("DATABASE_URL is not set (run `make chaos`, which starts the local PostgreSQL)")?;
+    let admin: tokio_postgres::Config =
+        admin_url.parse().context("DATABASE_URL is not a valid connection string")?;
+    let (restarts_ok, restart_note) = local_cluster(&root, &admin);
+    if !restarts_ok {
+        println!("chaos: PostgreSQL restarts skipped: {restart_note}");
+    }
+
+    // A database of our own; leftovers of killed runs go first.
+    let database = format!("{DB_PREFIX}{}", std::process::id());
+    let client = faults::connect(&admin).await.context("connecting to DATABASE_URL")?;
+    let server_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    for r in
+        client.query("SELECT datname FROM pg_database WHERE datname LIKE 'inbox\\_chaos\\_%'", &[]).await?
+    {
+        let name: String = r.get(0);
+        let pid = name.trim_start_matches(DB_PREFIX).parse::<u32>().ok();
+        if pid.is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists()) {
+            println!("chaos: dropping the leftover database {name}");
+            client.batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).await?;
+        }
+    }
+    client
+        .batch_execute(&format!("CREATE DATABASE \"{database}\""))
+        .await
+        .context("creating the chaos database")?;
+    drop(client);
+    let database_url = inbox_test_support::db::url_with_dbname(&admin_url, &database);
+    let mut db_config = admin.clone();
+    db_config.dbname(&database);
+
+    let result = chaos(
+        &args,
+        seed,
+        &mut rng,
+        &admin,
+        &database,
+        &database_url,
+        &db_config,
+        &log_dir,
+        &out_dir,
+        &root,
+        restarts_ok,
+        &restart_note,
+        &server_version,
+    )
+    .await;
+
+    // Clean up whatever happened.
+    let _ = faults::allow_connections(&admin, &database).await;
+    if args.keep {
+        println!("chaos: kept the database: {database_url}");
+    } else if let Ok(client) = faults::connect(&admin).await {
+        if let Err(e) =
+            client.batch_execute(&format!("DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)")).await
+        {
+            eprintln!("chaos: dropping {database}: {e}");
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn chaos(
+    args: &Args,
+    seed: u64,
+    rng: &mut Rng,
+    admin: &tokio_postgres::Config,
+    database: &str,
+    database_url: &str,
+    db_config: &tokio_postgres::Config,
+    log_dir: &Path,
+    out_dir: &Path,
+    root: &Path,
+    restarts_ok: bool,
+    restart_note: &str,
+    server_version: &str,
+) -> anyhow::Result<bool> {
+    // Schema, the way operators apply it.
+    let mut migrate = inbox_test_support::process::command("inbox-worker");
+    migrate.arg("migrate").env("DATABASE_URL", database_url);
+    let (code, output) = inbox_test_support::process::run(migrate, Duration::from_secs(120));
+    std::fs::write(log_dir.join("migrate.log"), &output)?;
+    anyhow::ensure!(code == 0, "inbox-worker migrate failed (exit {code}):\n{output}");
+
+    let ports: Vec<u16> = (0..args.ingests).map(|_| free_port()).collect::<anyhow::Result<_>>()?;
+    let supervisor = Arc::new(Supervisor::new(
+        Spec {
+            database_url: database_url.to_owned(),
+            endpoints: format!("billing={SECRET}"),
+            max_attempts: args.max_attempts,
+            log_dir: log_dir.to_owned(),
+        },
+        &ports,
+        args.workers,
+    ));
+    let stop_supervisor = CancellationToken::new();
+    // Whatever way this function ends, the background tasks stop (and with the last reference to
+    // the supervisor, its processes).
+    let _stop_supervisor = stop_supervisor.clone().drop_guard();
+    let supervising = tokio::spawn({
+        let supervisor = supervisor.clone();
+        let stop = stop_supervisor.clone();
+        async move {
+            while !stop.is_cancelled() {
+                supervisor.tick();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    });
+    wait_for_ingests(&ports, Duration::from_secs(60)).await?;
+    println!(
+        "chaos: {} ingest (ports {ports:?}) + {} workers on {database}; {:.0} events/s for {}, a fault every ~{}; seed {seed}",
+        args.ingests,
+        args.workers,
+        args.rate,
+        humantime::format_duration(args.duration),
+        humantime::format_duration(args.fault_interval)
+    );
+
+    let started = Instant::now();
+    let load = Arc::new(Load::new(&ports, SECRET, args.senders));
+    let stop_load = CancellationToken::new();
+    let _stop_load = stop_load.clone().drop_guard();
+    let _give_up = load.give_up.clone().drop_guard();
+    let generating = tokio::spawn(load.clone().generate(args.rate, seed, rng.fork(), stop_load.clone()));
+
+    let faults = Arc::new(Faults {
+        admin: admin.clone(),
+        database: database.to_owned(),
+        repo_root: root.to_owned(),
+        log_dir: log_dir.to_owned(),
+        supervisor: supervisor.clone(),
+        disabled: if restarts_ok { vec![] } else { vec![Kind::PgRestartFast, Kind::PgRestartImmediate] },
+        counts: Mutex::default(),
+        backends_terminated: Mutex::default(),
+        log: Mutex::default(),
+        errors: Mutex::default(),
+        started,
+    });
+    let stop_faults = CancellationToken::new();
+    let _stop_faults = stop_faults.clone().drop_guard();
+    let injecting = tokio::spawn(faults.clone().run(args.fault_interval, rng.fork(), stop_faults.clone()));
+
+    let interrupted = tokio::select! {
+        _ = tokio::time::sleep(args.duration) => false,
+        _ = tokio::signal::ctrl_c() => true,
+    };
+    let load_s = started.elapsed().as_secs_f64();
+    stop_load.cancel();
+    stop_faults.cancel();
+    let _ = generating.await;
+    println!("chaos: load over after {load_s:.1}s; waiting for the fault in progress to end");
+    let _ = injecting.await;
+    faults::allow_connections(admin, database).await?;
+    if interrupted {
+        load.give_up.cancel();
+        stop_supervisor.cancel();
+        let _ = supervising.await;
+        supervisor.shutdown(Duration::from_secs(10));
+        anyhow::bail!("interrupted");
+    }
+
+    // Faults are over: every process back up, the senders finish their retries.
+    let t = Instant::now();
+    while !supervisor.all_up(Duration::from_secs(2)) && t.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "chaos: faults stopped; senders retrying what is not acknowledged (up to {})",
+        humantime::format_duration(args.final_retry)
+    );
+    load.tasks.close();
+    let finished = tokio::time::timeout(args.final_retry, load.tasks.wait()).await.is_ok();
+    load.give_up.cancel();
+    load.tasks.wait().await;
+    let retry_s = t.elapsed().as_secs_f64();
+
+    println!("chaos: draining the queue (up to {})", humantime::format_duration(args.drain_timeout));
+    let (drain_time, drained) = check::drain(db_config, args.max_attempts as i32, args.drain_timeout).await;
+    let offered: Vec<_> = load.events.lock().unwrap().clone();
+    if args.sabotage {
+        sabotage(db_config, &offered).await.context("sabotaging")?;
+    }
+    let verdict = check::verify(db_config, args.max_attempts as i32, &offered)
+        .await
+        .context("checking the database")?;
+
+    stop_supervisor.cancel();
+    let _ = supervising.await;
+    let sup = supervisor.clone();
+    let unclean = tokio::task::spawn_blocking(move || sup.shutdown(Duration::from_secs(20))).await?;
+    let exits = supervisor.exits();
+    let crashes: Vec<_> = exits.iter().filter(|e| !e.startup_refused).cloned().collect();
+    let refused = exits.len() - crashes.len();
+
+    // The report.
+    let s = &load.stats;
+    let counts: Vec<(Kind, u64)> = KINDS.iter().map(|k| (*k, faults.count(*k))).collect();
+    let missing_kinds: Vec<&str> = counts
+        .iter()
+        .filter(|(k, n)| *n == 0 && !faults.disabled.contains(k))
+        .map(|(k, _)| k.name())
+        .collect();
+    let unacked = load.unacknowledged();
+    let duplicates_sent = s.redeliveries.load(Relaxed) + s.burst_extras.load(Relaxed);
+    let passed = verdict.ok() && missing_kinds.is_empty() && crashes.is_empty() && drained;
+    let fault_obj: serde_json::Map<String, serde_json::Value> =
+        counts.iter().map(|(k, n)| (k.name().to_owned(), (*n).into())).collect();
+    let statuses: serde_json::Map<String, serde_json::Value> =
+        s.by_status.lock().unwrap().iter().map(|(k, v)| (k.to_string(), (*v).into())).collect();
+    let transport: serde_json::Map<String, serde_json::Value> =
+        s.transport_kinds.lock().unwrap().iter().map(|(k, v)| ((*k).to_owned(), (*v).into())).collect();
+    let total_s = started.elapsed().as_secs_f64();
+    let report = serde_json::json!({
+        "passed": passed,
+        "duration_s": round1(load_s),
+        "total_s": round1(total_s),
+        "final_retry_s": round1(retry_s),
+        "drain_s": round1(drain_time.as_secs_f64()),
+        "drained": drained,
+        "seed": seed,
+        "rate_per_s": args.rate,
+        "ingests": args.ingests,
+        "workers": args.workers,
+        "max_attempts": args.max_attempts,
+        "postgres_version": server_version,
+        "pg_restarts": if restarts_ok { "enabled".to_owned() } else { format!("skipped: {restart_note}") },
+        "events_offered": s.offered.load(Relaxed),
+        "acknowledged": s.acked.load(Relaxed),
+        "unacknowledged": unacked,
+        "requests": s.requests.load(Relaxed),
+        "non_2xx_answers": s.non_2xx.load(Relaxed),
+        "transport_errors": s.transport_errors.load(Relaxed),
+        "answers_by_status": statuses,
+        "transport_errors_by_kind": transport,
+        "duplicates_sent": duplicates_sent,
+        "redeliveries": s.redeliveries.load(Relaxed),
+        "burst_extras": s.burst_extras.load(Relaxed),
+        "duplicate_answers": s.duplicate_answers.load(Relaxed),
+        "second_event_objects": s.second_objects.load(Relaxed),
+        "faults": fault_obj,
+        "backends_terminated_total": *faults.backends_terminated.lock().unwrap(),
+        "fault_errors": faults.errors.lock().unwrap().clone(),
+        "fault_log": faults.log.lock().unwrap().iter().map(|f| serde_json::json!({
+            "at_s": round1(f.at_s), "kind": f.kind.name(), "took_ms": f.took_ms, "detail": f.detail,
+        })).collect::<Vec<_>>(),
+        "lost": verdict.lost,
+        "doubled": verdict.doubled,
+        "stuck": verdict.stuck,
+        "parked": verdict.parked,
+        "parked_without_reason": verdict.parked_without_reason,
+        "unbooked_payments": verdict.unbooked,
+        "unbooked_payments_parked": verdict.unbooked_parked,
+        "wrong_amount": verdict.wrong_amount,
+        "wrong_status": verdict.wrong_status,
+        "acknowledged_payments": verdict.acked_payments,
+        "ledger_rows": verdict.ledger_rows,
+        "outbox_rows": verdict.outbox_rows,
+        "inbox_rows": verdict.inbox_rows,
+        "processed_rows": verdict.processed_rows,
+        "max_receive_to_processed_ms": verdict.latency_max_ms.round(),
+        "p50_receive_to_processed_ms": verdict.latency_p50_ms.round(),
+        "p99_receive_to_processed_ms": verdict.latency_p99_ms.round(),
+        "process_starts": supervisor.starts(),
+        "startup_refusals": refused,
+        "crashes": crashes.iter().map(|e| serde_json::json!({
+            "process": e.slot, "pid": e.pid, "status": e.status, "uptime_s": round1(e.uptime_s), "log_tail": e.log_tail,
+        })).collect::<Vec<_>>(),
+        "unclean_stops": unclean.iter().map(|u| serde_json::json!({ "process": u.slot, "status": u.status })).collect::<Vec<_>>(),
+        "examples": {
+            "lost": verdict.lost_examples, "doubled": verdict.doubled_examples, "stuck": verdict.stuck_examples,
+            "parked": verdict.parked_examples, "unbooked": verdict.unbooked_examples,
+        },
+        "missing_fault_kinds": missing_kinds,
+        "logs": log_dir.display().to_string(),
+        "all_senders_finished_in_time": finished,
+    });
+    let path = out_dir.join("report.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
+
+    println!();
+    println!("chaos report ({})", path.display());
+    let line = |name: &str, value: String| println!("  {name:<36} {value}");
+    line("PostgreSQL", server_version.to_owned());
+    line(
+        "duration (load + faults)",
+        format!("{load_s:.1} s (then {retry_s:.1} s retries, {:.1} s drain)", drain_time.as_secs_f64()),
+    );
+    line("seed", seed.to_string());
+    line(
+        "events offered",
+        format!(
+            "{} ({:.0}/s; {} second event objects)",
+            s.offered.load(Relaxed),
+            s.offered.load(Relaxed) as f64 / load_s,
+            s.second_objects.load(Relaxed)
+        ),
+    );
+    line("acknowledged (2xx)", s.acked.load(Relaxed).to_string());
+    line("unacknowledged (gave up)", unacked.to_string());
+    line("requests", s.requests.load(Relaxed).to_string());
+    line(
+        "non-2xx answers",
+        format!(
+            "{} {}",
+            s.non_2xx.load(Relaxed),
+            serde_json::Value::Object(report["answers_by_status"].as_object().cloned().unwrap_or_default())
+        ),
+    );
+    line(
+        "transport errors",
+        format!(
+            "{} {}",
+            s.transport_errors.load(Relaxed),
+            serde_json::Value::Object(
+                report["transport_errors_by_kind"].as_object().cloned().unwrap_or_default()
+            )
+        ),
+    );
+    line(
+        "duplicates sent",
+        format!(
+            "{duplicates_sent} ({} redeliveries, {} burst extras; {} answered duplicate)",
+            s.redeliveries.load(Relaxed),
+            s.burst_extras.load(Relaxed),
+            s.duplicate_answers.load(Relaxed)
+        ),
+    );
+    for (k, n) in &counts {
+        let note = if faults.disabled.contains(k) { " (skipped: not the local cluster)" } else { "" };
+        line(&format!("fault {}", k.name()), format!("{n}{note}"));
+    }
+    line("backends terminated (total)", faults.backends_terminated.lock().unwrap().to_string());
+    line(
+        "process starts / refusals / crashes",
+        format!("{} / {refused} / {}", supervisor.starts(), crashes.len()),
+    );
+    line("inbox rows / processed", format!("{} / {}", verdict.inbox_rows, verdict.processed_rows));
+    line(
+        "acked payments / ledger / outbox",
+        format!("{} / {} / {}", verdict.acked_payments, verdict.ledger_rows, verdict.outbox_rows),
+    );
+    line("LOST", verdict.lost.to_string());
+    line("DOUBLED", verdict.doubled.to_string());
+    line("stuck", format!("{}{}", verdict.stuck, if drained { "" } else { " (drain timed out)" }));
+    line("parked (without reason)", format!("{} ({})", verdict.parked, verdict.parked_without_reason));
+    line("unbooked payments (parked)", format!("{} ({})", verdict.unbooked, verdict.unbooked_parked));
+    line("wrong amount / wrong status", format!("{} / {}", verdict.wrong_amount, verdict.wrong_status));
+    line(
+        "receive→processed ms",
+        format!(
+            "max {:.0}, p99 {:.0}, p50 {:.0}",
+            verdict.latency_max_ms, verdict.latency_p99_ms, verdict.latency_p50_ms
+        ),
+    );
+    for (name, list) in [
+        ("lost", &verdict.lost_examples),
+        ("doubled", &verdict.doubled_examples),
+        ("stuck", &verdict.stuck_examples),
+        ("parked", &verdict.parked_examples),
+        ("unbooked", &verdict.unbooked_examples),
+    ] {
+        for e in list {
+            println!("  e.g. {name}: {e}");
+        }
+    }
+    for c in &crashes {
+        println!(
+            "  CRASH {} pid {} {} after {:.1}s; log tail:\n{}",
+            c.slot, c.pid, c.status, c.uptime_s, c.log_tail
+        );
+    }
+    for u in &unclean {
+        println!("  unclean stop: {} {}", u.slot, u.status);
+    }
+    if !missing_kinds.is_empty() {
+        println!("  fault kinds never injected: {missing_kinds:?}");
+    }
+    for e in faults.errors.lock().unwrap().iter() {
+        println!("  fault injection error: {e}");
+    }
+    println!("  {:<36} {}", "RESULT", if passed { "PASS" } else { "FAIL" });
+    Ok(passed)
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+/// Whether `admin` points at the cluster `scripts/pg.sh` manages (then it may be restarted).
+fn local_cluster(root: &Path, admin: &tokio_postgres::Config) -> (bool, String) {
+    let output = std::process::Command::new(root.join("scripts/pg.sh"))
+        .arg("url")
+        .stderr(std::process::Stdio::null())
+        .output();
+    let local = match output {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_owned(),
+        _ => return (false, "scripts/pg.sh manages no cluster here".into()),
+    };
+    let Ok(local) = local.parse::<tokio_postgres::Config>() else {
+        return (false, format!("cannot parse scripts/pg.sh url output {local:?}"));
+    };
+    let ours = endpoint(&local);
+    let theirs = endpoint(admin);
+    if ours == theirs && ours.is_some() {
+        (true, String::new())
+    } else {
+        (false, format!("DATABASE_URL is {theirs:?}, the local cluster is {ours:?}"))
+    }
+}
+
+fn endpoint(config: &tokio_postgres::Config) -> Option<(String, u16)> {
+    let host = match config.get_hosts().first()? {
+        tokio_postgres::config::Host::Tcp(h) if h == "localhost" => "127.0.0.1".to_owned(),
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    };
+    Some((host, config.get_ports().first().copied().unwrap_or(5432)))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+async fn wait_for_ingests(ports: &[u16], timeout: Duration) -> anyhow::Result<()> {
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(2)).build()?;
+    let deadline = Instant::now() + timeout;
+    for port in ports {
+        loop {
+            let ok = http
+                .get(format!("http://127.0.0.1:{port}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "inbox-ingest on port {port} not ready within {timeout:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
+}
+
+/// `--sabotage`: one lost event, one doubled booking, one stuck row (distinct invoices).
+async fn sabotage(config: &tokio_postgres::Config, offered: &[Arc<load::Offered>]) -> anyhow::Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    let victims: Vec<_> = offered
+        .iter()
+        .filter(|e| {
+            e.acked.load(Relaxed) && e.event_type == "invoice.paid" && seen.insert(e.invoice_id.clone())
+        })
+        .filter(|e| offered.iter().filter(|o| o.invoice_id == e.invoice_id).count() == 1)
+        .take(3)
+        .collect();
+    anyhow::ensure!(victims.len() == 3, "not enough acknowledged payments to sabotage");
+    let client = faults::connect(config).await?;
+    client.execute("DELETE FROM webhook_inbox WHERE event_id = $1", &[&victims[0].id]).await?;
+    client
+        .execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('Invoice', $1, 'InvoicePaymentBooked', '{}')",
+            &[&victims[1].invoice_id],
+        )
+        .await?;
+    client
+        .execute(
+            "UPDATE webhook_inbox SET processed_at = NULL, attempts = 1, available_at = now() + interval '1 hour'
+              WHERE event_id = $1",
+            &[&victims[2].id],
+        )
+        .await?;
+    println!(
+        "chaos: SABOTAGE: deleted {}, doubled the outbox row of {}, un-processed {}: expect FAIL with lost 1, doubled 1, stuck 1",
+        victims[0].id, victims[1].invoice_id, victims[2].id
+    );
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! Group commit in the ingest: concurrent requests share one INSERT, each answered after its
+//! commit; duplicates inside a batch, a failing batch and one bad payload in a batch.
+
+use std::time::Duration;
+
+use inbox_test_support::app::concurrent_posts;
+use inbox_test_support::db::scalar;
+use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
+use inbox_test_support::worker::eventually;
+use inbox_test_support::{spawn_app_with, TestApp, TestDb};
+
+/// An ingest with one batch writer whose every INSERT takes 300 ms (plus `extra` SQL in the
+/// statement trigger), so concurrent requests queue up behind it and form batches.
+async fn slow_single_writer(extra: &str) -> TestApp {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION slow_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(0.3); {extra} RETURN NULL; END $$;
+             CREATE TRIGGER slow_batch BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION slow_batch();"
+        ))
+        .await
+        .unwrap();
+    spawn_app_with(db, |s| {
+        s.pool_size = 3;
+        s.db_timeout = Duration::from_secs(10);
+    })
+    .await
+}
+
+/// (batches, requests) written so far, from the batch-size histogram.
+async fn batches(app: &TestApp) -> (f64, f64) {
+    let text = app.get("/metrics").await.text;
+    let value = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (value("inbox_ingest_batch_size_count"), value("inbox_ingest_batch_size_sum"))
+}
+
+fn signed(body: Vec<u8>) -> (String, String, Vec<u8>) {
+    ("billing".to_owned(), sign(SECRET_A, &body), body)
+}
+
+#[test]
+fn concurrent_requests_share_batches_and_duplicates_inside_a_batch_are_answered_as_such() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_single_writer(""));
+    let mut requests: Vec<_> = (0..8).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    requests.extend((0..8).map(|_| signed(invoice_paid("evt_same", "in_2", 1))));
+    let replies = concurrent_posts(&app.address, requests);
+    assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+    let accepted = |range: std::ops::Range<usize>| {
+        replies[range].iter().filter(|r| r.body["status"] == "accepted").count()
+    };
+    assert_eq!(accepted(0..8), 8);
+    assert_eq!(accepted(8..16), 1, "one of the eight copies is new, seven are duplicates");
+    assert_eq!(rt.block_on(app.inbox_rows()), 9);
+    let (count, sum) = rt.block_on(batches(&app));
+    assert_eq!(sum, 16.0);
+    assert!(count < 16.0, "requests were coalesced: {count} batches for 16 requests");
+}
+
+#[test]
+fn a_failing_batch_answers_503_to_each_of_its_requests() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_single_writer("RAISE EXCEPTION 'disk full, say';"));
+    let requests: Vec<_> = (0..8).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    let replies = concurrent_posts(&app.address, requests);
+    assert!(replies.iter().all(|r| r.status == 503), "{replies:?}");
+    assert_eq!(rt.block_on(app.inbox_rows()), 0);
+    let (count, sum) = rt.block_on(batches(&app));
+    assert!(count < sum, "the failure hit batches, not single requests: {count} batches, {sum} requests");
+}
+
+#[test]
+fn one_payload_the_database_refuses_does_not_fail_its_batch() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_single_writer(""));
+    let mut requests: Vec<_> = (0..7).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    requests.push(signed(br#"{"id":"evt_nul","type":"invoice.paid","data":"\u0000"}"#.to_vec()));
+    let replies = concurrent_posts(&app.address, requests);
+    assert!(replies[..7].iter().all(|r| r.status == 200), "{replies:?}");
+    assert_eq!(replies[7].status, 400, "{replies:?}");
+    assert_eq!(rt.block_on(app.inbox_rows()), 7);
+}
+
+/// An ingest with four batch writers whose every INSERT takes 300 ms; each committed batch is
+/// logged with its statement's start, end and row count in `batch_log`.
+async fn slow_writers_with_log() -> TestApp {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE TABLE batch_log (started timestamptz, ended timestamptz, rows bigint);
+             CREATE FUNCTION slow_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$;
+             CREATE TRIGGER slow_batch BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION slow_batch();
+             CREATE FUNCTION log_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO batch_log SELECT statement_timestamp(), clock_timestamp(), count(*) FROM new_rows;
+                        RETURN NULL; END $$;
+             CREATE TRIGGER log_batch AFTER INSERT ON webhook_inbox REFERENCING NEW TABLE AS new_rows
+               FOR EACH STATEMENT EXECUTE FUNCTION log_batch();",
+        )
+        .await
+        .unwrap();
+    spawn_app_with(db, |s| {
+        s.pool_size = 6; // four writers
+        s.db_timeout = Duration::from_secs(10);
+    })
+    .await
+}
+
+/// Sends one request in the background and returns once its batch is being written.
+fn first_batch_in_flight(
+    rt: &tokio::runtime::Runtime,
+    app: &TestApp,
+) -> std::thread::JoinHandle<Vec<inbox_test_support::app::Reply>> {
+    let address = app.address.clone();
+    let first = std::thread::spawn(move || {
+        concurrent_posts(&address, vec![signed(invoice_paid("evt_first", "in_0", 1))])
+    });
+    rt.block_on(async {
+        let client = app.db.client().await;
+        let writing = "SELECT count(*) FROM pg_stat_activity
+                        WHERE datname = current_database() AND state = 'active'
+                          AND query LIKE 'INSERT INTO webhook_inbox%'";
+        let started =
+            eventually(Duration::from_secs(2), || async { scalar(&client, writing).await > 0 }).await;
+        assert!(started, "the first request's batch never started");
+    });
+    first
+}
+
+/// (rows, overlaps the previous batch) of each committed batch, in order of start.
+async fn batch_log(app: &TestApp) -> Vec<(i64, bool)> {
+    app.db
+        .client()
+        .await
+        .query(
+            "SELECT rows, started < lag(ended) OVER (ORDER BY started) IS TRUE FROM batch_log ORDER BY started",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// A few requests arriving while a batch is written wait for its commit and share the next one,
+/// although three writers are idle: a commit per request would cost the database more.
+#[test]
+fn a_few_requests_behind_a_batch_in_flight_wait_and_share_the_next_batch() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_writers_with_log());
+    let first = first_batch_in_flight(&rt, &app);
+    let wave: Vec<_> = (0..3).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    let replies = concurrent_posts(&app.address, wave);
+    assert!(replies.iter().chain(&first.join().unwrap()).all(|r| r.status == 200), "{replies:?}");
+    assert_eq!(rt.block_on(batch_log(&app)), [(1, false), (3, false)]);
+}
+
+/// As many requests as make a batch worth its own commit (`JOIN_AT`) start one beside the batch
+/// in flight instead of waiting for it.
+#[test]
+fn enough_requests_behind_a_batch_in_flight_start_their_own_beside_it() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(slow_writers_with_log());
+    let first = first_batch_in_flight(&rt, &app);
+    let n = inbox_ingest::batcher::JOIN_AT + 2;
+    let wave: Vec<_> = (0..n).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    let replies = concurrent_posts(&app.address, wave);
+    assert!(replies.iter().chain(&first.join().unwrap()).all(|r| r.status == 200), "{replies:?}");
+    let log = rt.block_on(batch_log(&app));
+    assert_eq!(log.iter().map(|b| b.0).sum::<i64>(), n as i64 + 1, "{log:?}");
+    assert_eq!(log[0].0, 1, "{log:?}");
+    assert!(
+        log[1].0 >= inbox_ingest::batcher::JOIN_AT as i64 && log[1].1,
+        "the wave's batch overlaps the first: {log:?}"
+    );
+}

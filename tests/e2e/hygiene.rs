@@ -1,0 +1,221 @@
+//! Connection hygiene and bounded damage: pools recover from every fault kind without a restart,
+//! a cancelled request or event never hands back a connection inside a transaction, transaction-
+//! local limits do not leak, and lock / idle-in-transaction timeouts fire and are recorded.
+
+use std::time::Duration;
+
+use inbox_domain::handlers::{HandlerFuture, InboxEvent, Registry};
+use inbox_test_support::db::scalar;
+use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
+use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
+use inbox_test_support::worker::{claim, eventually, execute, pool, spawn_worker, store_event, test_limits};
+use inbox_test_support::{spawn_app_with, TestDb};
+use inbox_worker::executor::{self, Conn, Limits, Outcome};
+
+/// Sessions of `application_name` on this database left inside a transaction.
+async fn in_transaction(client: &tokio_postgres::Client, application_name: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+               AND application_name = $1 AND state LIKE 'idle in transaction%'",
+            &[&application_name],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn unprocessed(client: &tokio_postgres::Client) -> i64 {
+    scalar(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await
+}
+
+#[tokio::test]
+async fn the_worker_recovers_from_cut_connections_without_a_restart() {
+    let proxy = FaultProxy::start(postgres_addr()).await;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let via_proxy = db.config_via_port(proxy.port);
+    let worker = spawn_worker(&db, Registry::with_invoice_handlers(), |s| s.database = via_proxy).await;
+    store_event(&client, "billing", &invoice_paid("evt_before", "in_1", 100)).await;
+    assert!(eventually(Duration::from_secs(10), || async { unprocessed(&client).await == 0 }).await);
+
+    proxy.set(Mode::Refuse); // every connection cut, new ones refused
+    store_event(&client, "billing", &invoice_paid("evt_during", "in_2", 100)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(unprocessed(&client).await, 1);
+    proxy.set(Mode::Pass);
+    assert!(eventually(Duration::from_secs(15), || async { unprocessed(&client).await == 0 }).await);
+
+    proxy.set(Mode::Blackhole); // connections hang
+    store_event(&client, "billing", &invoice_paid("evt_hole", "in_3", 100)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    proxy.set(Mode::Pass);
+    assert!(eventually(Duration::from_secs(20), || async { unprocessed(&client).await == 0 }).await);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 3);
+    worker.stop().await;
+}
+
+#[tokio::test]
+async fn the_worker_recovers_from_terminated_backends() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let worker = spawn_worker(&db, Registry::with_invoice_handlers(), |s| {
+        s.poll_interval = Duration::from_millis(200)
+    })
+    .await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    assert!(eventually(Duration::from_secs(10), || async { unprocessed(&client).await == 0 }).await);
+    let killed = scalar(
+        &client,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+          WHERE datname = current_database() AND application_name LIKE 'inbox-worker%'",
+    )
+    .await;
+    assert!(killed >= 2, "the pool and the listener had sessions: {killed}");
+    for i in 2..6 {
+        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100)).await;
+    }
+    assert!(eventually(Duration::from_secs(15), || async { unprocessed(&client).await == 0 }).await);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 5);
+    // The wake-up listener came back too: it is LISTENing again.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            scalar(&client, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'inbox-worker-listener'").await == 1
+        })
+        .await
+    );
+    worker.stop().await;
+}
+
+#[tokio::test]
+async fn a_request_abandoned_mid_insert_leaves_no_connection_in_a_transaction() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON webhook_inbox FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    let app = spawn_app_with(db, |s| s.pool_size = 2).await;
+    // Clients that give up after 100 ms, while their inserts are still running.
+    for i in 0..4 {
+        let body = invoice_paid(&format!("evt_gone_{i}"), "in_1", 100);
+        let request = app
+            .http
+            .post(format!("{}/webhooks/stripe/billing", app.address))
+            .header("Stripe-Signature", sign(SECRET_A, &body))
+            .body(body)
+            .timeout(Duration::from_millis(100))
+            .send();
+        assert!(request.await.is_err(), "the client gave up");
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(in_transaction(&client, "inbox-ingest").await, 0);
+    client.batch_execute("DROP TRIGGER slow ON webhook_inbox").await.unwrap();
+    for i in 0..6 {
+        let reply = app.post_signed(invoice_paid(&format!("evt_after_{i}"), "in_1", 100)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+    }
+}
+
+#[tokio::test]
+async fn an_event_cut_off_mid_transaction_never_returns_its_connection_to_the_pool() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let pool = pool(&db, 1);
+    let row = claim(&pool, 1, Duration::from_secs(30), 10).await.remove(0);
+    // The worker's own deadline (500 ms) ends the event while its booking is still running.
+    let limits = Limits { deadline: Duration::from_millis(500), ..test_limits(Duration::from_secs(5)) };
+    let outcome = execute(&pool, &Registry::with_invoice_handlers(), &row, &limits).await;
+    assert!(matches!(&outcome, Outcome::Failed(e) if e.contains("longer than")), "{outcome:?}");
+    let last_error: String =
+        client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
+    assert!(last_error.contains("longer than"), "{last_error}");
+    // The one pooled connection is a fresh one, outside any transaction, with default settings.
+    let conn = pool.get().await.unwrap();
+    let status: String =
+        conn.query_one("SELECT current_setting('statement_timeout')", &[]).await.unwrap().get(0);
+    assert_eq!(status, "0");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(in_transaction(&client, "inbox-test").await, 0);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 0);
+}
+
+#[tokio::test]
+async fn transaction_local_limits_do_not_leak_into_the_next_transaction() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let pool = pool(&db, 1); // one connection: the check below runs on the one the event used
+    let row = claim(&pool, 1, Duration::from_secs(30), 10).await.remove(0);
+    let mut conn = Conn::get(&pool).await.unwrap();
+    let pid: i32 = conn.client().query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    let outcome = executor::execute(
+        &mut conn,
+        &Registry::with_invoice_handlers(),
+        &row,
+        &test_limits(Duration::from_millis(700)),
+    )
+    .await;
+    assert_eq!(outcome, Outcome::Processed);
+    assert!(conn.is_clean());
+    drop(conn);
+    let again = pool.get().await.unwrap();
+    let row = again
+        .query_one(
+            "SELECT pg_backend_pid(), current_setting('statement_timeout'), current_setting('lock_timeout'),
+                    current_setting('idle_in_transaction_session_timeout')",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), pid, "same connection");
+    assert_eq!(
+        (row.get::<_, String>(1), row.get::<_, String>(2), row.get::<_, String>(3)),
+        ("0".into(), "0".into(), "0".into())
+    );
+}
+
+fn stalls_mid_transaction<'a>(
+    tx: &'a deadpool_postgres::Transaction<'_>,
+    _: &'a InboxEvent,
+) -> HandlerFuture<'a> {
+    Box::pin(async move {
+        tx.execute("SELECT 1", &[]).await?;
+        tokio::time::sleep(Duration::from_millis(1500)).await; // e.g. a slow call outside the database
+        tx.execute("SELECT 1", &[]).await?;
+        Ok(())
+    })
+}
+
+#[tokio::test]
+async fn idle_in_transaction_timeout_cuts_a_stalled_event_and_is_recorded() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let pool = pool(&db, 2);
+    let mut registry = Registry::new();
+    registry.register("invoice.paid", stalls_mid_transaction);
+    let row = claim(&pool, 1, Duration::from_secs(30), 10).await.remove(0);
+    let limits = Limits { idle_timeout: Duration::from_millis(500), ..test_limits(Duration::from_secs(5)) };
+    let outcome = execute(&pool, &registry, &row, &limits).await;
+    assert!(matches!(&outcome, Outcome::Failed(_)), "{outcome:?}");
+    let last_error: String =
+        client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
+    assert!(last_error.contains("idle_in_transaction_session_timeout"), "{last_error}");
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL AND attempts = 1")
+            .await,
+        1
+    );
+}

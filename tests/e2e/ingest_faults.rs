@@ -1,0 +1,129 @@
+//! The database failing under the ingest: connections refused, backends terminated, a database
+//! that never answers, a statement timeout. Never a hang, never a 2xx without a row, and
+//! recovery without a restart.
+
+use std::time::{Duration, Instant};
+
+use inbox_test_support::events::invoice_paid;
+use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
+use inbox_test_support::{spawn_app_with, TestApp, TestDb};
+
+const DB_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The service behind a fault proxy, with a 1 s database timeout.
+async fn app_behind_proxy() -> (TestApp, FaultProxy) {
+    let proxy = FaultProxy::start(postgres_addr()).await;
+    let db = TestDb::new().await;
+    let config = db.config_via_port(proxy.port);
+    let app = spawn_app_with(db, |s| {
+        s.database = config;
+        s.db_timeout = DB_TIMEOUT;
+    })
+    .await;
+    (app, proxy)
+}
+
+async fn assert_503_in_time(app: &TestApp, event_id: &str) {
+    let started = Instant::now();
+    let reply = app.post_signed(invoice_paid(event_id, "in_1", 1)).await;
+    let took = started.elapsed();
+    assert_eq!(reply.status, 503, "{}", reply.text);
+    assert!(took < DB_TIMEOUT * 3, "503 took {took:?}");
+    let ready = app.get("/readyz").await;
+    assert_eq!(ready.status, 503, "{}", ready.text);
+}
+
+#[tokio::test]
+async fn refused_connections_answer_503_and_the_service_recovers_by_itself() {
+    let (app, proxy) = app_behind_proxy().await;
+    assert_eq!(app.post_signed(invoice_paid("evt_before", "in_1", 1)).await.status, 200);
+
+    proxy.set(Mode::Refuse);
+    assert_503_in_time(&app, "evt_during").await;
+
+    proxy.set(Mode::Pass);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let reply = app.post_signed(invoice_paid("evt_after", "in_1", 1)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert_eq!(app.get("/readyz").await.status, 200);
+    // The redelivery of the refused event is accepted now.
+    assert_eq!(app.post_signed(invoice_paid("evt_during", "in_1", 1)).await.body["status"], "accepted");
+    let ids: Vec<String> = app
+        .db
+        .client()
+        .await
+        .query("SELECT event_id FROM webhook_inbox ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ids, ["evt_after", "evt_before", "evt_during"]);
+}
+
+#[tokio::test]
+async fn a_database_that_never_answers_is_503_within_the_timeout() {
+    let (app, proxy) = app_behind_proxy().await;
+    assert_eq!(app.post_signed(invoice_paid("evt_before", "in_1", 1)).await.status, 200);
+    proxy.set(Mode::Blackhole);
+    assert_503_in_time(&app, "evt_hole").await;
+    proxy.set(Mode::Pass);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(app.post_signed(invoice_paid("evt_hole", "in_1", 1)).await.status, 200);
+    assert_eq!(app.inbox_rows().await, 2);
+}
+
+#[tokio::test]
+async fn terminated_backends_are_replaced_without_a_failed_request() {
+    let db = TestDb::new().await;
+    let name = db.name.clone();
+    let app = spawn_app_with(db, |_| {}).await;
+    for i in 0..5 {
+        assert_eq!(app.post_signed(invoice_paid(&format!("evt_pre_{i}"), "in_1", 1)).await.status, 200);
+    }
+    let admin = inbox_test_support::db::connect(&inbox_test_support::db::admin_config()).await;
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+              WHERE datname = $1 AND application_name = 'inbox-ingest'",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(killed >= 1, "no ingest backend to terminate");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for i in 0..5 {
+        let reply = app.post_signed(invoice_paid(&format!("evt_post_{i}"), "in_1", 1)).await;
+        assert_eq!(reply.status, 200, "request {i} after the termination: {}", reply.text);
+    }
+    assert_eq!(app.get("/readyz").await.status, 200);
+    assert_eq!(app.inbox_rows().await, 10);
+}
+
+#[tokio::test]
+async fn a_statement_timeout_is_503_and_stores_nothing() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(5); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON webhook_inbox FOR EACH ROW EXECUTE FUNCTION slow_insert();",
+        )
+        .await
+        .unwrap();
+    let app = spawn_app_with(db, |s| s.db_timeout = DB_TIMEOUT).await;
+    let started = Instant::now();
+    let reply = app.post_signed(invoice_paid("evt_slow", "in_1", 1)).await;
+    assert_eq!(reply.status, 503, "{}", reply.text);
+    assert!(started.elapsed() < DB_TIMEOUT * 3, "took {:?}", started.elapsed());
+    // The server cancelled the statement: no row, even after the trigger would have finished.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(app.inbox_rows().await, 0);
+
+    app.db.client().await.batch_execute("DROP TRIGGER slow ON webhook_inbox").await.unwrap();
+    let reply = app.post_signed(invoice_paid("evt_slow", "in_1", 1)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert_eq!(reply.body["status"], "accepted");
+}

@@ -1,0 +1,148 @@
+//! `inbox-ingest` as a process: start-up refusals, secrets kept out of every output, SIGTERM.
+
+use std::time::Duration;
+
+use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
+use inbox_test_support::process::{command, run, start_ingest as start};
+use inbox_test_support::TestDb;
+
+const DB_PASSWORD: &str = "db-password-never-printed";
+
+/// A database URL for `db` carrying a password (trust auth ignores it) that must never show.
+fn url_with_password(db: &TestDb) -> String {
+    db.url().replacen("postgres://postgres@", &format!("postgres://postgres:{DB_PASSWORD}@"), 1)
+}
+
+fn ingest(db_url: &str, endpoints: &str) -> std::process::Command {
+    let mut cmd = command("inbox-ingest");
+    cmd.env("DATABASE_URL", db_url).env("INBOX_ENDPOINTS", endpoints).env("INBOX_LISTEN", "127.0.0.1:0");
+    cmd
+}
+
+fn assert_refused(cmd: std::process::Command, expect_in_message: &str) {
+    let (code, output) = run(cmd, Duration::from_secs(20));
+    assert_eq!(code, 1, "exit code; output:\n{output}");
+    assert!(output.contains(expect_in_message), "expected {expect_in_message:?} in:\n{output}");
+    assert!(!output.contains(SECRET_A), "secret printed:\n{output}");
+    assert!(!output.contains(DB_PASSWORD), "password printed:\n{output}");
+}
+
+#[tokio::test]
+async fn start_up_refusals_exit_1_with_a_clear_message() {
+    let db = TestDb::new().await;
+    let url = url_with_password(&db);
+    let good = format!("billing={SECRET_A}");
+
+    let mut cmd = ingest(&url, &good);
+    cmd.env("INBOX_SIGNATURE_TOLERANCE", "0");
+    assert_refused(cmd, "must be above 0");
+
+    assert_refused(ingest(&url, "billing="), "empty secret");
+    assert_refused(ingest(&url, &format!("billing={SECRET_A},")), "empty secret");
+    assert_refused(ingest(&url, SECRET_A), "not NAME=SECRET");
+    assert_refused(ingest(&url, &format!("bad name={SECRET_A}")), "invalid name");
+    assert_refused(ingest(&url, &format!("billing={SECRET_A};billing={SECRET_A}")), "configured twice");
+    assert_refused(ingest(&url, ""), "no endpoint configured");
+
+    // Nothing listens on this port: connection refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let unreachable = format!("postgres://postgres:{DB_PASSWORD}@127.0.0.1:{closed}/inbox");
+    assert_refused(ingest(&unreachable, &good), "cannot connect to the database");
+
+    // A usage error is exit 2.
+    let mut cmd = ingest(&url, &good);
+    cmd.arg("--no-such-flag");
+    let (code, _) = run(cmd, Duration::from_secs(20));
+    assert_eq!(code, 2);
+}
+
+#[test]
+fn help_does_not_show_secrets_from_the_environment() {
+    let mut cmd = ingest(&format!("postgres://u:{DB_PASSWORD}@127.0.0.1/x"), &format!("billing={SECRET_A}"));
+    cmd.arg("--help");
+    let (code, output) = run(cmd, Duration::from_secs(20));
+    assert_eq!(code, 0);
+    assert!(output.contains("--endpoint"), "{output}");
+    assert!(!output.contains(SECRET_A) && !output.contains(DB_PASSWORD), "{output}");
+}
+
+#[tokio::test]
+async fn no_secret_in_logs_or_responses_even_at_debug_level() {
+    let db = TestDb::new().await;
+    let mut cmd = ingest(&url_with_password(&db), &format!("billing={SECRET_A}"));
+    cmd.env("RUST_LOG", "debug");
+    let (mut proc, base) = start(cmd);
+    let http = inbox_test_support::app::http_client();
+    let body = invoice_paid("evt_logs", "in_1", 1);
+    let mut texts = Vec::new();
+    for sig in [Some(sign(SECRET_A, &body)), Some("t=1,v1=00".to_owned()), None] {
+        let mut req = http.post(format!("{base}/webhooks/stripe/billing")).body(body.clone());
+        if let Some(sig) = sig {
+            req = req.header("Stripe-Signature", sig);
+        }
+        texts.push(req.send().await.unwrap().text().await.unwrap());
+    }
+    texts.push(http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap());
+    texts.push(http.get(format!("{base}/readyz")).send().await.unwrap().text().await.unwrap());
+    proc.signal(libc::SIGTERM);
+    assert!(proc.wait(Duration::from_secs(30)).success());
+    let logs = proc.output();
+    assert!(logs.contains("evt_logs"), "the event id is logged: {logs}");
+    for text in texts.iter().chain(std::iter::once(&logs)) {
+        assert!(!text.contains(SECRET_A), "secret leaked: {text}");
+        assert!(!text.contains(DB_PASSWORD), "password leaked: {text}");
+    }
+    assert_eq!(db.count("webhook_inbox").await, 1);
+}
+
+#[tokio::test]
+async fn sigterm_answers_in_flight_requests_then_exits_0() {
+    let db = TestDb::new().await;
+    // Every insert takes 2 s: the request is in flight when the signal arrives.
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON webhook_inbox FOR EACH ROW EXECUTE FUNCTION slow_insert();",
+        )
+        .await
+        .unwrap();
+    let (mut proc, base) = start(ingest(&db.url(), &format!("billing={SECRET_A}")));
+    let http = inbox_test_support::app::http_client();
+    let body = invoice_paid("evt_inflight", "in_1", 1);
+    let request = http
+        .post(format!("{base}/webhooks/stripe/billing"))
+        .header("Stripe-Signature", sign(SECRET_A, &body))
+        .body(body)
+        .send();
+    let in_flight = tokio::spawn(request);
+    // Wait until the insert is running in PostgreSQL, then ask the service to stop.
+    let observer = db.client().await;
+    for _ in 0..100 {
+        let running: i64 = observer
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                   AND application_name = 'inbox-ingest' AND query LIKE 'INSERT INTO webhook_inbox%' AND state = 'active'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if running > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proc.signal(libc::SIGTERM);
+    let response = in_flight.await.unwrap().expect("the in-flight request is answered");
+    assert_eq!(response.status().as_u16(), 200);
+    let status = tokio::task::spawn_blocking(move || {
+        let status = proc.wait(Duration::from_secs(40));
+        (status, proc)
+    })
+    .await
+    .unwrap();
+    assert_eq!(status.0.code(), Some(0), "{}", status.1.output());
+    assert_eq!(db.count("webhook_inbox").await, 1);
+}

@@ -1,0 +1,65 @@
+//! `inbox-worker migrate`: applies the schema, repeatably and concurrently.
+
+use std::time::Duration;
+
+use inbox_test_support::process::{command, run, Proc};
+use inbox_test_support::TestDb;
+
+fn migrate(url: &str) -> std::process::Command {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", url).arg("migrate");
+    cmd
+}
+
+#[tokio::test]
+async fn migrate_applies_the_schema_once_even_when_two_run_at_once() {
+    let db = TestDb::empty().await;
+    let mut a = Proc::spawn(migrate(&db.url()));
+    let mut b = Proc::spawn(migrate(&db.url()));
+    let (sa, sb) = (a.wait(Duration::from_secs(60)), b.wait(Duration::from_secs(60)));
+    assert!(sa.success(), "{}", a.output());
+    assert!(sb.success(), "{}", b.output());
+    let applied = [a.output(), b.output()].iter().filter(|o| o.contains("applied V1")).count();
+    assert_eq!(applied, 1, "exactly one run applies V1:\n{}\n{}", a.output(), b.output());
+
+    let client = db.client().await;
+    let versions: Vec<i32> = client
+        .query("SELECT version FROM refinery_schema_history ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let expected: Vec<i32> = (1..=inbox_domain::schema::expected_version()).collect();
+    assert_eq!(versions, expected);
+    for table in
+        ["webhook_inbox", "invoices", "outbox", "ledger_entries", "operator_audit", "reconciliation_items"]
+    {
+        assert_eq!(db.count(table).await, 0, "{table}");
+    }
+    // The queue tuning is in place.
+    let options: Vec<String> = client
+        .query_one("SELECT reloptions FROM pg_class WHERE relname = 'webhook_inbox'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(options.iter().any(|o| o == "fillfactor=50"), "{options:?}");
+
+    let (code, output) = run(migrate(&db.url()), Duration::from_secs(60));
+    assert_eq!(code, 0, "{output}");
+    assert!(output.contains("up to date"), "{output}");
+}
+
+#[test]
+fn migrate_without_a_database_exits_1_and_says_why() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (code, output) =
+        run(migrate(&format!("postgres://postgres@127.0.0.1:{closed}/x")), Duration::from_secs(30));
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("cannot connect to the database"), "{output}");
+    let mut cmd = command("inbox-worker");
+    cmd.arg("migrate");
+    let (code, output) = run(cmd, Duration::from_secs(30));
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("DATABASE_URL"), "{output}");
+}

@@ -1,0 +1,751 @@
+//! The operator commands of `inbox-worker` (`stats`, `needs-review`, `requeue`, `replay`, `purge`),
+//! run as processes the way operators run them, against rows seeded directly with SQL.
+
+use std::time::Duration;
+
+use inbox_test_support::db::scalar;
+use inbox_test_support::process::{command, run};
+use inbox_test_support::TestDb;
+use serde_json::{json, Value};
+use tokio_postgres::Client;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+const DAY: f64 = 24.0 * 3600.0;
+
+/// `inbox-worker <args>` on `db`, with `USER=tester` (the default actor).
+fn worker(db: &TestDb, args: &[&str]) -> std::process::Command {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).env("USER", "tester").args(args);
+    cmd
+}
+
+/// Runs the command; returns (exit code, stdout + stderr).
+async fn exec(db: &TestDb, args: &[&str]) -> (i32, String) {
+    let cmd = worker(db, args);
+    tokio::task::spawn_blocking(move || run(cmd, TIMEOUT)).await.unwrap()
+}
+
+/// Runs a command that must succeed; returns its output.
+async fn ok(db: &TestDb, args: &[&str]) -> String {
+    let (code, output) = exec(db, args).await;
+    assert_eq!(code, 0, "inbox-worker {args:?} failed:\n{output}");
+    output
+}
+
+/// Runs a command that must be refused (exit 1, `inbox-worker: error: …`); returns its output.
+async fn refused(db: &TestDb, args: &[&str]) -> String {
+    let (code, output) = exec(db, args).await;
+    assert_eq!(code, 1, "inbox-worker {args:?} should be refused:\n{output}");
+    assert!(output.contains("inbox-worker: error: "), "{output}");
+    output
+}
+
+/// Runs `<args> --json`, which must succeed, and parses its stdout (only stdout: one document).
+async fn json_of(db: &TestDb, args: &[&str]) -> Value {
+    let mut cmd = worker(db, args);
+    cmd.arg("--json");
+    let output = tokio::task::spawn_blocking(move || cmd.output()).await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "inbox-worker {args:?} --json failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("not one JSON document ({e}):\n{stdout}"))
+}
+
+/// The keys of a JSON object, sorted.
+fn keys(value: &Value) -> Vec<&str> {
+    let mut keys: Vec<&str> = value.as_object().expect("a JSON object").keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    keys
+}
+
+/// An inbox row to seed; times are relative to now, in seconds.
+#[derive(Clone)]
+struct Row {
+    endpoint: &'static str,
+    event_id: &'static str,
+    event_type: &'static str,
+    attempts: i32,
+    last_error: Option<String>,
+    received_ago: f64,
+    available_in: f64,
+    processed_ago: Option<f64>,
+    /// None: an invoice payload for `in_<event_id>`, customer `cus_1`, amount 100.
+    payload: Option<Value>,
+}
+
+impl Default for Row {
+    fn default() -> Self {
+        Row {
+            endpoint: "billing",
+            event_id: "evt_1",
+            event_type: "invoice.paid",
+            attempts: 0,
+            last_error: None,
+            received_ago: 60.0,
+            available_in: -60.0,
+            processed_ago: None,
+            payload: None,
+        }
+    }
+}
+
+/// A row at the default attempt limit (10) with an error.
+fn parked(event_id: &'static str, error: &str) -> Row {
+    Row { event_id, attempts: 10, last_error: Some(error.to_owned()), ..Row::default() }
+}
+
+/// A row processed `ago` seconds ago.
+fn processed(event_id: &'static str, ago: f64) -> Row {
+    Row { event_id, attempts: 1, received_ago: ago + 1.0, processed_ago: Some(ago), ..Row::default() }
+}
+
+async fn seed(client: &Client, rows: &[Row]) {
+    for r in rows {
+        let payload = r.payload.clone().unwrap_or_else(|| {
+            json!({"id": r.event_id, "type": r.event_type, "data": {"object": {
+                "id": format!("in_{}", r.event_id), "customer": "cus_1", "amount_paid": 100}}})
+        });
+        client
+            .execute(
+                "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, received_at,
+                                            available_at, attempts, last_error, processed_at)
+                 VALUES ('stripe', $1, $2, $3, $4, now() - make_interval(secs => $5),
+                         now() + make_interval(secs => $6), $7, $8,
+                         now() - make_interval(secs => $9::float8))",
+                &[
+                    &r.endpoint,
+                    &r.event_id,
+                    &r.event_type,
+                    &payload,
+                    &r.received_ago,
+                    &r.available_in,
+                    &r.attempts,
+                    &r.last_error,
+                    &r.processed_ago,
+                ],
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// (attempts, last_error, available now, processed) of one row.
+async fn state(client: &Client, endpoint: &str, event_id: &str) -> (i32, Option<String>, bool, bool) {
+    let r = client
+        .query_one(
+            "SELECT attempts, last_error, available_at <= now(), processed_at IS NOT NULL
+               FROM webhook_inbox WHERE endpoint = $1 AND event_id = $2",
+            &[&endpoint, &event_id],
+        )
+        .await
+        .unwrap();
+    (r.get(0), r.get(1), r.get(2), r.get(3))
+}
+
+/// Every inbox row as text, to compare before and after.
+async fn snapshot(client: &Client) -> Vec<String> {
+    client
+        .query("SELECT w::text FROM webhook_inbox AS w ORDER BY endpoint, event_id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// The audit records, oldest first: (actor, action, target, affected).
+async fn audit(client: &Client) -> Vec<(String, String, Value, i32)> {
+    client
+        .query("SELECT actor, action, target, affected FROM operator_audit ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+// ------------------------------------------------------------------------------------------ stats
+
+#[tokio::test]
+async fn stats_counts_every_state_as_json_and_as_a_table() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+
+    let empty = json_of(&db, &["stats"]).await;
+    assert_eq!(
+        empty,
+        json!({"unprocessed": 0, "ready": 0, "leased": 0, "retry_wait": 0, "needs_review": 0,
+               "oldest_unprocessed_age_seconds": null, "processed_last_hour": 0, "by_event_type": []})
+    );
+
+    seed(
+        &client,
+        &[
+            Row { event_id: "evt_ready", received_ago: 600.0, ..Row::default() },
+            Row { event_id: "evt_leased", attempts: 1, available_in: 120.0, ..Row::default() },
+            Row {
+                event_id: "evt_retry",
+                event_type: "invoice.created",
+                attempts: 2,
+                available_in: 30.0,
+                last_error: Some("boom".into()),
+                ..Row::default()
+            },
+            Row { received_ago: 7200.0, ..parked("evt_parked", "database down") },
+            Row { event_type: "invoice.created", ..processed("evt_recent", 600.0) },
+            Row { event_type: "invoice.voided", ..processed("evt_old", 7200.0) },
+        ],
+    )
+    .await;
+
+    let stats = json_of(&db, &["stats"]).await;
+    assert_eq!(
+        keys(&stats),
+        [
+            "by_event_type",
+            "leased",
+            "needs_review",
+            "oldest_unprocessed_age_seconds",
+            "processed_last_hour",
+            "ready",
+            "retry_wait",
+            "unprocessed"
+        ]
+    );
+    assert_eq!(stats["unprocessed"], 4);
+    assert_eq!(stats["ready"], 1);
+    assert_eq!(stats["leased"], 1);
+    assert_eq!(stats["retry_wait"], 1);
+    assert_eq!(stats["needs_review"], 1);
+    assert_eq!(stats["processed_last_hour"], 1);
+    let age = stats["oldest_unprocessed_age_seconds"].as_f64().expect("a number");
+    assert!((7200.0..7260.0).contains(&age), "{age}");
+    // A type shows when it has unprocessed rows or rows processed in the last hour; sorted.
+    assert_eq!(
+        stats["by_event_type"],
+        json!([
+            {"event_type": "invoice.created", "unprocessed": 1, "needs_review": 0, "processed_last_hour": 1},
+            {"event_type": "invoice.paid", "unprocessed": 3, "needs_review": 1, "processed_last_hour": 0},
+        ])
+    );
+
+    // The limit defines "parked": at 2 attempts the retrying row needs review too.
+    let low = json_of(&db, &["--max-attempts", "2", "stats"]).await;
+    assert_eq!((low["needs_review"].as_i64(), low["retry_wait"].as_i64()), (Some(2), Some(0)));
+    assert_eq!(low["by_event_type"][0]["needs_review"], 1);
+
+    let table = ok(&db, &["stats"]).await;
+    for needle in ["unprocessed", "ready", "leased", "retry_wait", "needs_review", "oldest_unprocessed_age"] {
+        assert!(table.contains(needle), "{needle} missing:\n{table}");
+    }
+    assert!(table.contains("invoice.created") && table.contains("invoice.paid"), "{table}");
+    assert!(!table.contains("invoice.voided"), "{table}");
+
+    // The worker's gauges agree, from the unprocessed rows alone.
+    let gauges = inbox_worker::ops::queue_gauges(&client, 10).await.unwrap();
+    assert_eq!((gauges.unprocessed, gauges.needs_review, gauges.ready), (4, 1, 1));
+    assert!((7200.0..7260.0).contains(&gauges.oldest_unprocessed_age_seconds));
+    client.execute("DELETE FROM webhook_inbox WHERE processed_at IS NULL", &[]).await.unwrap();
+    let gauges = inbox_worker::ops::queue_gauges(&client, 10).await.unwrap();
+    assert_eq!(gauges.oldest_unprocessed_age_seconds, 0.0);
+    assert_eq!(gauges.unprocessed, 0);
+}
+
+// ----------------------------------------------------------------------------------- needs-review
+
+#[tokio::test]
+async fn needs_review_lists_parked_rows_oldest_first() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let long_error = format!("payload: {}", "data.object.customer is missing; ".repeat(8));
+    seed(
+        &client,
+        &[
+            Row { received_ago: 300.0, ..parked("evt_newer", "statement timeout (57014)") },
+            Row {
+                endpoint: "analytics",
+                event_type: "invoice.created",
+                received_ago: 900.0,
+                attempts: 12,
+                ..parked("evt_older", &long_error)
+            },
+            Row { event_id: "evt_retrying", attempts: 3, last_error: Some("boom".into()), ..Row::default() },
+            Row { attempts: 10, ..processed("evt_done", 60.0) },
+        ],
+    )
+    .await;
+
+    let listed = json_of(&db, &["needs-review"]).await;
+    assert_eq!(keys(&listed), ["count", "rows"]);
+    assert_eq!(listed["count"], 2);
+    let rows = listed["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    let older = &rows[0];
+    assert_eq!(
+        keys(older),
+        ["attempts", "endpoint", "event_id", "event_type", "last_error", "provider", "received_at"]
+    );
+    assert_eq!(older["provider"], "stripe");
+    assert_eq!(older["endpoint"], "analytics");
+    assert_eq!(older["event_id"], "evt_older");
+    assert_eq!(older["event_type"], "invoice.created");
+    assert_eq!(older["attempts"], 12);
+    assert_eq!(older["last_error"], long_error.as_str(), "JSON has the whole error");
+    assert_eq!(rows[1]["event_id"], "evt_newer");
+    assert_eq!(rows[1]["last_error"], "statement timeout (57014)");
+    // RFC 3339 in UTC, as the database has it.
+    let expected: String = client
+        .query_one(
+            "SELECT to_char(received_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
+               FROM webhook_inbox WHERE event_id = 'evt_older'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(older["received_at"], expected.as_str());
+    let text = older["received_at"].as_str().unwrap();
+    assert!(text.len() == 24 && &text[10..11] == "T" && text.ends_with('Z'), "{text}");
+
+    let first = json_of(&db, &["needs-review", "--limit", "1"]).await;
+    assert_eq!(first["count"], 1);
+    assert_eq!(first["rows"][0]["event_id"], "evt_older");
+
+    let table = ok(&db, &["needs-review"]).await;
+    let lines: Vec<&str> = table.lines().collect();
+    let header = lines.iter().position(|l| l.contains("event_id") && l.contains("last_error")).unwrap();
+    assert!(lines[header + 1].contains("evt_older") && lines[header + 2].contains("evt_newer"), "{table}");
+    // Columns aligned: each row's event_type starts where the header's does.
+    let column = lines[header].find("event_type").unwrap();
+    assert_eq!(lines[header + 1].find("invoice.created"), Some(column), "{table}");
+    assert_eq!(lines[header + 2].find("invoice.paid"), Some(column), "{table}");
+    // The table cuts the long error; the beginning is there.
+    assert!(!table.contains(&long_error), "{table}");
+    assert!(table.contains(&long_error[..60]), "{table}");
+    assert!(lines[header + 1].chars().count() < 250, "{table}");
+    assert!(!table.contains("evt_retrying") && !table.contains("evt_done"), "{table}");
+}
+
+// ---------------------------------------------------------------------------------------- requeue
+
+#[tokio::test]
+async fn requeue_of_one_row_resets_attempts_keeps_the_error_and_is_audited() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            Row { available_in: 120.0, ..parked("evt_parked", "statement timeout (57014)") },
+            Row {
+                event_id: "evt_waiting",
+                attempts: 3,
+                available_in: 200.0,
+                last_error: Some("boom".into()),
+                ..Row::default()
+            },
+        ],
+    )
+    .await;
+
+    let report = json_of(&db, &["requeue", "--event-id", "evt_parked", "--actor", "alice"]).await;
+    assert_eq!(
+        report,
+        json!({"action": "requeue", "dry_run": false, "matched": 1, "requeued": 1, "rows": [
+            {"endpoint": "billing", "event_id": "evt_parked", "event_type": "invoice.paid", "attempts": 10}
+        ]})
+    );
+    assert_eq!(
+        state(&client, "billing", "evt_parked").await,
+        (0, Some("statement timeout (57014)".into()), true, false),
+        "attempts 0, available now, last_error kept for history"
+    );
+
+    // A row waiting for its retry can be brought forward too.
+    let output = ok(&db, &["requeue", "--event-id", "evt_waiting", "--endpoint", "billing"]).await;
+    assert!(output.contains("requeued 1 row"), "{output}");
+    assert_eq!(state(&client, "billing", "evt_waiting").await, (0, Some("boom".into()), true, false));
+
+    assert_eq!(
+        audit(&client).await,
+        [
+            (
+                "alice".to_owned(),
+                "requeue".to_owned(),
+                json!({"provider": "stripe", "endpoint": "billing", "event_id": "evt_parked"}),
+                1
+            ),
+            (
+                "tester".to_owned(),
+                "requeue".to_owned(),
+                json!({"provider": "stripe", "endpoint": "billing", "event_id": "evt_waiting"}),
+                1
+            ),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn requeue_refuses_processed_unknown_and_ambiguous_ids() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            processed("evt_done", 60.0),
+            parked("evt_dup", "boom"),
+            Row { endpoint: "analytics", ..parked("evt_dup", "boom") },
+        ],
+    )
+    .await;
+    let before = snapshot(&client).await;
+
+    let output = refused(&db, &["requeue", "--event-id", "evt_done"]).await;
+    assert!(output.contains("was processed at"), "{output}");
+    assert!(output.contains("inbox-worker replay"), "the message points to replay: {output}");
+
+    let output = refused(&db, &["requeue", "--event-id", "evt_nope"]).await;
+    assert!(output.contains("no event evt_nope in the inbox"), "{output}");
+
+    let output = refused(&db, &["requeue", "--event-id", "evt_dup"]).await;
+    assert!(output.contains("analytics, billing") && output.contains("--endpoint"), "{output}");
+
+    let output = refused(&db, &["requeue", "--event-id", "evt_dup", "--endpoint", "shipping"]).await;
+    assert!(output.contains("no event evt_dup for endpoint shipping"), "{output}");
+
+    assert_eq!(snapshot(&client).await, before, "refusals change nothing");
+    assert!(audit(&client).await.is_empty(), "and audit nothing");
+
+    ok(&db, &["requeue", "--event-id", "evt_dup", "--endpoint", "analytics"]).await;
+    assert_eq!(state(&client, "analytics", "evt_dup").await.0, 0);
+    assert_eq!(state(&client, "billing", "evt_dup").await.0, 10, "the other endpoint's row is untouched");
+}
+
+#[tokio::test]
+async fn requeue_all_touches_only_the_matching_parked_rows() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            Row { received_ago: 500.0, ..parked("evt_a", "statement timeout (57014)") },
+            Row { received_ago: 400.0, ..parked("evt_b", "payload: data.object.customer is missing") },
+            Row { event_type: "invoice.created", ..parked("evt_c", "statement timeout (57014)") },
+            Row {
+                event_id: "evt_d",
+                attempts: 3,
+                available_in: 60.0,
+                last_error: Some("statement timeout (57014)".into()),
+                ..Row::default()
+            },
+            Row { attempts: 10, ..processed("evt_e", 60.0) },
+            parked("evt_f", "disk 100% full"),
+            parked("evt_g", "disk 1000 full"),
+        ],
+    )
+    .await;
+
+    // Event type and error text (case-insensitive) narrow it.
+    let report = json_of(
+        &db,
+        &[
+            "requeue",
+            "--all",
+            "--event-type",
+            "invoice.paid",
+            "--error-contains",
+            "STATEMENT timeout",
+            "--actor",
+            "bob",
+        ],
+    )
+    .await;
+    assert_eq!(
+        report,
+        json!({"action": "requeue", "dry_run": false, "matched": 1, "requeued": 1, "rows": [
+            {"endpoint": "billing", "event_id": "evt_a", "event_type": "invoice.paid", "attempts": 10}
+        ]})
+    );
+    assert_eq!(state(&client, "billing", "evt_a").await.0, 0);
+    for (id, attempts) in [("evt_b", 10), ("evt_c", 10), ("evt_d", 3), ("evt_e", 10), ("evt_f", 10)] {
+        assert_eq!(state(&client, "billing", id).await.0, attempts, "{id}");
+    }
+    assert!(!state(&client, "billing", "evt_d").await.2, "a row waiting for its retry is not parked");
+
+    // % and _ in the text are literal: "100%" does not match "1000 full".
+    let output = ok(&db, &["requeue", "--all", "--error-contains", "100%"]).await;
+    let matched = output.find("1 parked row matches").expect(&output);
+    assert!(matched < output.find("requeued 1 row").expect(&output), "the count comes first:\n{output}");
+    assert!(output.contains("evt_f") && !output.contains("evt_g"), "{output}");
+    assert_eq!(state(&client, "billing", "evt_f").await.0, 0);
+    assert_eq!(state(&client, "billing", "evt_g").await.0, 10);
+
+    // Everything still parked; never the processed row nor the retrying one.
+    let output = ok(&db, &["requeue", "--all"]).await;
+    assert!(output.contains("3 parked rows match"), "{output}");
+    for id in ["evt_a", "evt_b", "evt_c", "evt_f", "evt_g"] {
+        assert_eq!(state(&client, "billing", id).await.0, 0, "{id}");
+    }
+    assert_eq!(state(&client, "billing", "evt_d").await.0, 3);
+    assert_eq!(state(&client, "billing", "evt_e").await, (10, None, true, true));
+
+    // Nothing left: not an error, and the attempt is on record.
+    let output = ok(&db, &["requeue", "--all", "--event-type", "invoice.voided"]).await;
+    assert!(output.contains("0 parked rows match") && output.contains("requeued 0 rows"), "{output}");
+
+    let records = audit(&client).await;
+    let summary: Vec<(&str, &str, i32)> =
+        records.iter().map(|(actor, action, _, n)| (actor.as_str(), action.as_str(), *n)).collect();
+    assert_eq!(
+        summary,
+        [("bob", "requeue", 1), ("tester", "requeue", 1), ("tester", "requeue", 3), ("tester", "requeue", 0)]
+    );
+    assert_eq!(
+        records[0].2,
+        json!({"provider": "stripe", "all": true, "max_attempts": 10,
+               "event_type": "invoice.paid", "error_contains": "STATEMENT timeout"})
+    );
+    assert_eq!(records[3].2["event_type"], "invoice.voided");
+    assert_eq!(records[3].2["error_contains"], Value::Null);
+}
+
+#[tokio::test]
+async fn dry_runs_change_nothing_and_write_no_audit() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            parked("evt_p1", "boom"),
+            parked("evt_p2", "boom"),
+            processed("evt_old1", 40.0 * DAY),
+            processed("evt_old2", 40.0 * DAY),
+        ],
+    )
+    .await;
+    let before = snapshot(&client).await;
+
+    let report = json_of(&db, &["requeue", "--all", "--dry-run"]).await;
+    assert_eq!(keys(&report), ["action", "dry_run", "matched", "requeued", "rows"]);
+    assert_eq!(report["action"], "requeue");
+    assert_eq!(report["dry_run"], true);
+    assert_eq!(report["matched"], 2);
+    assert_eq!(report["requeued"], 0);
+    assert_eq!(report["rows"].as_array().unwrap().len(), 2);
+
+    let output = ok(&db, &["requeue", "--event-id", "evt_p1", "--dry-run"]).await;
+    assert!(output.contains("dry run") && output.contains("evt_p1"), "{output}");
+    // The refusals still apply in a dry run.
+    let output = refused(&db, &["requeue", "--event-id", "evt_old1", "--dry-run"]).await;
+    assert!(output.contains("replay"), "{output}");
+
+    let report = json_of(&db, &["purge", "--older-than", "30d", "--dry-run"]).await;
+    assert_eq!(report["action"], "purge");
+    assert_eq!(report["dry_run"], true);
+    assert_eq!(report["matched"], 2);
+    assert!(report.get("deleted").is_none(), "{report}");
+    let output = ok(&db, &["purge", "--older-than", "30d", "--dry-run"]).await;
+    assert!(output.contains("dry run: 2 processed rows"), "{output}");
+
+    assert_eq!(snapshot(&client).await, before);
+    assert!(audit(&client).await.is_empty());
+}
+
+// ----------------------------------------------------------------------------------------- replay
+
+#[tokio::test]
+async fn replay_repairs_missing_business_rows_and_never_double_books() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(&client, &[processed("evt_paid", 3600.0)]).await;
+    /// (paid invoices, ledger bookings, outbox rows) of `in_evt_paid`.
+    async fn business(client: &Client) -> (i64, i64, i64) {
+        (
+            scalar(client, "SELECT count(*) FROM invoices WHERE id = 'in_evt_paid' AND status = 'paid'")
+                .await,
+            scalar(client, "SELECT count(*) FROM ledger_entries WHERE invoice_id = 'in_evt_paid'").await,
+            scalar(client, "SELECT count(*) FROM outbox WHERE aggregate_id = 'in_evt_paid'").await,
+        )
+    }
+    assert_eq!(business(&client).await, (0, 0, 0), "the business rows are missing");
+
+    let report = json_of(&db, &["replay", "--event-id", "evt_paid", "--actor", "carol"]).await;
+    assert_eq!(
+        report,
+        json!({"action": "replay", "endpoint": "billing", "event_id": "evt_paid",
+               "event_type": "invoice.paid", "handler": "applied"})
+    );
+    assert_eq!(business(&client).await, (1, 1, 1), "re-created");
+    let amount = scalar(&client, "SELECT amount FROM ledger_entries WHERE invoice_id = 'in_evt_paid'").await;
+    assert_eq!(amount, 100);
+    let renewed = scalar(
+        &client,
+        "SELECT count(*) FROM webhook_inbox
+          WHERE event_id = 'evt_paid' AND processed_at > now() - interval '1 minute' AND last_error IS NULL",
+    )
+    .await;
+    assert_eq!(renewed, 1, "processed_at renewed");
+
+    // Again, with the ledger row there: nothing is booked twice.
+    let output = ok(&db, &["replay", "--event-id", "evt_paid", "--endpoint", "billing"]).await;
+    assert!(output.contains("replayed event evt_paid") && output.contains("handler applied"), "{output}");
+    assert_eq!(business(&client).await, (1, 1, 1));
+
+    // Deleted business rows come back.
+    client.batch_execute("DELETE FROM ledger_entries; DELETE FROM invoices;").await.unwrap();
+    ok(&db, &["replay", "--event-id", "evt_paid"]).await;
+    assert_eq!(business(&client).await.0, 1);
+    assert_eq!(business(&client).await.1, 1);
+
+    let records = audit(&client).await;
+    let summary: Vec<(&str, &str, i32)> =
+        records.iter().map(|(actor, action, _, n)| (actor.as_str(), action.as_str(), *n)).collect();
+    assert_eq!(summary, [("carol", "replay", 1), ("tester", "replay", 1), ("tester", "replay", 1)]);
+    assert_eq!(records[0].2["event_id"], "evt_paid");
+    assert_eq!(records[0].2["endpoint"], "billing");
+}
+
+#[tokio::test]
+async fn replay_of_a_type_without_handler_counts_as_replayed() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(&client, &[Row { event_type: "customer.created", ..processed("evt_cus", 60.0) }]).await;
+    let report = json_of(&db, &["replay", "--event-id", "evt_cus"]).await;
+    assert_eq!(report["handler"], "no handler");
+    assert_eq!(report["event_type"], "customer.created");
+    let records = audit(&client).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!((records[0].1.as_str(), records[0].3), ("replay", 1));
+}
+
+#[tokio::test]
+async fn replay_refuses_unprocessed_unknown_ambiguous_and_rolls_back_a_failing_handler() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            parked("evt_parked", "boom"),
+            processed("evt_dup", 60.0),
+            Row { endpoint: "analytics", ..processed("evt_dup", 60.0) },
+            Row {
+                payload: Some(json!({"id": "evt_bad", "type": "invoice.paid",
+                                     "data": {"object": {"id": "in_bad", "customer": "cus_1"}}})),
+                ..processed("evt_bad", 600.0)
+            },
+        ],
+    )
+    .await;
+    let before = snapshot(&client).await;
+
+    let output = refused(&db, &["replay", "--event-id", "evt_parked"]).await;
+    assert!(output.contains("is not processed yet; requeue it instead"), "{output}");
+    let output = refused(&db, &["replay", "--event-id", "evt_nope"]).await;
+    assert!(output.contains("no event evt_nope in the inbox"), "{output}");
+    let output = refused(&db, &["replay", "--event-id", "evt_dup"]).await;
+    assert!(output.contains("analytics, billing") && output.contains("--endpoint"), "{output}");
+
+    // The handler fails (no amount_paid): everything rolls back, the row stays as it was.
+    let output = refused(&db, &["replay", "--event-id", "evt_bad"]).await;
+    assert!(output.contains("nothing changed") && output.contains("amount_paid"), "{output}");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 0);
+
+    assert_eq!(snapshot(&client).await, before, "refusals change nothing");
+    assert!(audit(&client).await.is_empty());
+
+    ok(&db, &["replay", "--event-id", "evt_dup", "--endpoint", "analytics"]).await;
+    assert_eq!(audit(&client).await.len(), 1);
+}
+
+// ------------------------------------------------------------------------------------------ purge
+
+#[tokio::test]
+async fn purge_refuses_an_age_inside_the_retry_window_unless_forced() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            processed("evt_2d_a", 2.0 * DAY),
+            processed("evt_2d_b", 2.0 * DAY),
+            processed("evt_40d", 40.0 * DAY),
+        ],
+    )
+    .await;
+
+    let output = refused(&db, &["purge", "--older-than", "1d"]).await;
+    assert!(output.contains("3-day retry window") && output.contains("--force"), "{output}");
+    assert_eq!(db.count("webhook_inbox").await, 3, "nothing deleted");
+    assert!(audit(&client).await.is_empty());
+
+    // Exactly the window is allowed.
+    let output = ok(&db, &["purge", "--older-than", "3d"]).await;
+    assert!(output.contains("deleted 1 processed row"), "{output}");
+    assert_eq!(db.count("webhook_inbox").await, 2);
+
+    let report = json_of(&db, &["purge", "--older-than", "1d", "--force", "--actor", "erin"]).await;
+    assert_eq!(report["action"], "purge");
+    assert_eq!(report["dry_run"], false);
+    assert_eq!(report["deleted"], 2);
+    assert_eq!(db.count("webhook_inbox").await, 0);
+
+    let records = audit(&client).await;
+    assert_eq!(records.len(), 2);
+    assert_eq!((records[1].0.as_str(), records[1].1.as_str(), records[1].3), ("erin", "purge", 2));
+    assert_eq!(records[1].2["older_than_seconds"], 86_400);
+    assert_eq!(records[1].2["force"], true);
+}
+
+#[tokio::test]
+async fn purge_deletes_in_batches_and_never_touches_unprocessed_rows() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            processed("evt_old1", 40.0 * DAY),
+            processed("evt_old2", 40.0 * DAY),
+            processed("evt_old3", 35.0 * DAY),
+            processed("evt_old4", 31.0 * DAY),
+            processed("evt_old5", 50.0 * DAY),
+            processed("evt_recent", DAY),
+            // Received long ago but never processed: never purged, whatever their age.
+            Row { received_ago: 60.0 * DAY, ..parked("evt_parked", "boom") },
+            Row { event_id: "evt_queued", received_ago: 60.0 * DAY, ..Row::default() },
+        ],
+    )
+    .await;
+
+    let report =
+        json_of(&db, &["purge", "--older-than", "30d", "--batch-size", "2", "--actor", "dave"]).await;
+    assert_eq!(report["action"], "purge");
+    assert_eq!(report["dry_run"], false);
+    assert_eq!(report["deleted"], 5);
+    assert_eq!(report["batches"], 3, "5 rows in batches of 2: {report}");
+    assert!(report.get("matched").is_none(), "{report}");
+
+    let left: Vec<String> = client
+        .query("SELECT event_id FROM webhook_inbox ORDER BY event_id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["evt_parked", "evt_queued", "evt_recent"]);
+
+    let records = audit(&client).await;
+    assert_eq!(records.len(), 1);
+    let (actor, action, target, affected) = &records[0];
+    assert_eq!((actor.as_str(), action.as_str(), *affected), ("dave", "purge", 5));
+    assert_eq!(target["older_than_seconds"], 30 * 86_400);
+    assert_eq!(target["cutoff"], report["cutoff"]);
+    assert!(target["cutoff"].as_str().is_some_and(|c| c.ends_with('Z')), "{target}");
+
+    // Nothing more to purge: still fine, still on record.
+    let output = ok(&db, &["purge", "--older-than", "30d"]).await;
+    assert!(output.contains("deleted 0 processed rows"), "{output}");
+    assert_eq!(audit(&client).await.len(), 2);
+    assert_eq!(db.count("webhook_inbox").await, 3);
+}

@@ -1,0 +1,331 @@
+//! `inbox-worker run` as processes, with real faults: SIGKILL mid-handler, SIGSTOP past the
+//! lease, statement timeouts, SIGTERM with events in flight, several processes at once.
+
+use std::time::Duration;
+
+use inbox_test_support::db::scalar;
+use inbox_test_support::events::{invoice_paid, SECRET_A};
+use inbox_test_support::process::{command, run, Proc};
+use inbox_test_support::worker::{eventually, store_event};
+use inbox_test_support::{spawn_app_with, TestDb};
+
+/// `inbox-worker run` on `db` with `flags`.
+fn worker(db: &TestDb, flags: &[&str]) -> std::process::Command {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).arg("run").args(["--poll-interval", "100ms"]).args(flags);
+    cmd
+}
+
+fn start(cmd: std::process::Command) -> Proc {
+    let proc = Proc::spawn(cmd);
+    proc.wait_for_line("inbox-worker running", Duration::from_secs(30));
+    proc
+}
+
+/// A trigger that sleeps `seconds` in every ledger booking (BEFORE or AFTER the insert).
+async fn slow_bookings(client: &tokio_postgres::Client, when: &str, seconds: f64) {
+    client
+        .batch_execute(&format!(
+            "CREATE FUNCTION slow_booking() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$;
+             CREATE TRIGGER slow_booking {when} INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow_booking();"
+        ))
+        .await
+        .unwrap();
+}
+
+/// Waits until a worker backend is inside the ledger booking.
+async fn wait_for_booking_in_progress(client: &tokio_postgres::Client) {
+    let seen = eventually(Duration::from_secs(20), || async {
+        scalar(
+            client,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+               AND application_name = 'inbox-worker' AND state = 'active' AND query LIKE '%ledger_entries%'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    assert!(seen, "no worker reached the booking");
+}
+
+async fn all_processed(client: &tokio_postgres::Client, timeout: Duration) -> bool {
+    eventually(timeout, || async {
+        scalar(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await == 0
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_worker_killed_mid_handler_loses_nothing_and_books_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    slow_bookings(&client, "BEFORE", 1.5).await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let flags = ["--lease", "4s", "--statement-timeout", "2s"];
+    let mut a = start(worker(&db, &flags));
+    wait_for_booking_in_progress(&client).await;
+    a.signal(libc::SIGKILL);
+    a.wait(Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_secs(2)).await; // the server notices and rolls back
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 0);
+    assert_eq!(
+        scalar(&client, "SELECT attempts::bigint FROM webhook_inbox WHERE processed_at IS NULL").await,
+        1
+    );
+
+    let b = start(worker(&db, &flags));
+    assert!(all_processed(&client, Duration::from_secs(20)).await, "{}", b.output());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 1);
+    assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 2);
+}
+
+#[tokio::test]
+async fn a_worker_frozen_past_its_lease_and_resumed_books_nothing_twice() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    // The booking takes 1 s; the worker is frozen right in it, holding the row lock.
+    slow_bookings(&client, "AFTER", 1.0).await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let flags = ["--lease", "3s", "--statement-timeout", "1500ms"];
+    let a = start(worker(&db, &flags));
+    wait_for_booking_in_progress(&client).await;
+    a.signal(libc::SIGSTOP);
+    // B takes the row once A's lease expires; A's idle transaction is cut off by the server.
+    let b = start(worker(&db, &flags));
+    assert!(all_processed(&client, Duration::from_secs(20)).await, "{}", b.output());
+    a.signal(libc::SIGCONT);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL").await, 1);
+    let last_error: Option<String> =
+        client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
+    assert_eq!(last_error, None, "A's late failure must not touch the processed row");
+}
+
+#[tokio::test]
+async fn a_handler_over_the_statement_timeout_is_recorded_then_retried() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    slow_bookings(&client, "BEFORE", 3.0).await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let w = start(worker(&db, &["--lease", "2s", "--statement-timeout", "1s"]));
+    let recorded = eventually(Duration::from_secs(15), || async {
+        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE last_error LIKE '%statement timeout%'")
+            .await
+            == 1
+    })
+    .await;
+    assert!(recorded, "{}", w.output());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 0);
+    client.batch_execute("DROP TRIGGER slow_booking ON ledger_entries").await.unwrap();
+    assert!(all_processed(&client, Duration::from_secs(20)).await, "{}", w.output());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+    assert!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await >= 2);
+}
+
+#[tokio::test]
+async fn sigterm_finishes_events_in_flight_and_exits_0_losing_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    slow_bookings(&client, "AFTER", 1.0).await;
+    for i in 0..8 {
+        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100)).await;
+    }
+    let mut w = start(worker(&db, &["--concurrency", "4", "--shutdown-timeout", "20s"]));
+    wait_for_booking_in_progress(&client).await;
+    w.signal(libc::SIGTERM);
+    let status = w.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "{}", w.output());
+    let processed =
+        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL").await;
+    assert!(processed >= 1, "the events in flight were finished");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, processed);
+    // Nothing is left leased or half-counted: every unprocessed row is claimable now, unattempted.
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL AND (attempts <> 0 OR available_at > now())").await,
+        0
+    );
+    let _next = start(worker(&db, &[]));
+    assert!(all_processed(&client, Duration::from_secs(30)).await);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 8);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE attempts <> 1").await, 0);
+}
+
+#[tokio::test]
+async fn two_hundred_events_over_four_worker_processes_are_each_booked_once_in_one_attempt() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    for i in 0..200 {
+        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100 + i))
+            .await;
+    }
+    let mut workers: Vec<Proc> = (0..4).map(|_| Proc::spawn(worker(&db, &["--concurrency", "4"]))).collect();
+    assert!(all_processed(&client, Duration::from_secs(60)).await);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 200);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 200);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE attempts <> 1").await, 0);
+    assert_eq!(
+        scalar(&client, "SELECT sum(amount)::bigint FROM ledger_entries").await,
+        (0..200).map(|i| 100 + i).sum::<i64>()
+    );
+    for w in &workers {
+        w.signal(libc::SIGTERM);
+    }
+    for w in &mut workers {
+        assert_eq!(w.wait(Duration::from_secs(30)).code(), Some(0), "{}", w.output());
+    }
+}
+
+#[tokio::test]
+async fn an_idle_worker_wakes_when_the_ingest_stores_a_row() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let url = db.url();
+    // Polling once a minute: only the wake-up can make it quick.
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", &url).args(["run", "--poll-interval", "60s"]);
+    let w = start(cmd);
+    let app = spawn_app_with(db, |_| {}).await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // the listener is subscribed
+    let started = std::time::Instant::now();
+    let body = invoice_paid("evt_wake", "in_1", 100);
+    let reply = app.post("billing", Some(&inbox_test_support::events::sign(SECRET_A, &body)), body).await;
+    assert_eq!(reply.status, 200);
+    assert!(all_processed(&client, Duration::from_secs(10)).await, "{}", w.output());
+    assert!(started.elapsed() < Duration::from_secs(5), "woken after {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn worker_metrics_report_outcomes_and_queue_gauges() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    store_event(
+        &client,
+        "billing",
+        &inbox_test_support::events::invoice_event("evt_2", "customer.created", "in_2", "open", 0),
+    )
+    .await;
+    // A parked row: the gauges must come from the database, not from defaults.
+    store_event(&client, "billing", &invoice_paid("evt_parked", "in_3", 100)).await;
+    client
+        .execute(
+            "UPDATE webhook_inbox SET attempts = 10, last_error = 'boom' WHERE event_id = 'evt_parked'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (_worker, address) = inbox_test_support::process::start_worker_with_metrics(worker(
+        &db,
+        &["--metrics-listen", "127.0.0.1:0"],
+    ));
+    let http = inbox_test_support::app::http_client();
+    let scrape = || {
+        let (http, address) = (http.clone(), address.clone());
+        async move { http.get(format!("http://{address}/metrics")).send().await.unwrap().text().await.unwrap() }
+    };
+    let complete = eventually(Duration::from_secs(10), || async {
+        let text = scrape().await;
+        text.contains(r#"inbox_worker_events_total{outcome="processed"} 1"#)
+            && text.contains(r#"inbox_worker_events_total{outcome="ignored"} 1"#)
+            && text.contains("inbox_unprocessed 1")
+            && text.contains("inbox_needs_review 1")
+    })
+    .await;
+    let text = scrape().await;
+    assert!(complete, "{text}");
+    for name in [
+        "inbox_worker_processing_seconds_bucket",
+        "inbox_worker_receive_to_processed_seconds_bucket",
+        "inbox_worker_claim_batch_size_bucket",
+        "inbox_ready 0",
+        "inbox_oldest_unprocessed_age_seconds",
+    ] {
+        assert!(text.contains(name), "missing {name} in\n{text}");
+    }
+    let health = http.get(format!("http://{address}/healthz")).send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 200);
+}
+
+#[tokio::test]
+async fn start_up_refuses_a_statement_timeout_not_well_under_the_lease() {
+    let db = TestDb::new().await;
+    let (code, output) =
+        run(worker(&db, &["--lease", "1m", "--statement-timeout", "31s"]), Duration::from_secs(20));
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("at most half of --lease"), "{output}");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", format!("postgres://postgres@127.0.0.1:{closed}/x")).arg("run");
+    let (code, output) = run(cmd, Duration::from_secs(20));
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("cannot connect to the database"), "{output}");
+}
+
+/// An operator command on `db`; returns (exit code, output).
+fn operator(db: &TestDb, args: &[&str]) -> (i32, String) {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).args(["--max-attempts", "3"]).args(args);
+    run(cmd, Duration::from_secs(30))
+}
+
+#[tokio::test]
+async fn a_poison_row_is_parked_listed_requeued_after_the_fix_and_audited() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let mut poison: serde_json::Value =
+        serde_json::from_slice(&invoice_paid("evt_poison", "in_p", 100)).unwrap();
+    poison["data"]["object"].as_object_mut().unwrap().remove("amount_paid");
+    store_event(&client, "billing", &serde_json::to_vec(&poison).unwrap()).await;
+    store_event(&client, "billing", &invoice_paid("evt_fine", "in_f", 100)).await;
+
+    let w = start(worker(&db, &["--max-attempts", "3"]));
+    let parked = eventually(Duration::from_secs(30), || async {
+        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE event_id = 'evt_poison' AND attempts = 3")
+            .await
+            == 1
+    })
+    .await;
+    assert!(parked, "{}", w.output());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Parked: never claimed again, the rest of the queue flows.
+    assert_eq!(
+        scalar(&client, "SELECT attempts::bigint FROM webhook_inbox WHERE event_id = 'evt_poison'").await,
+        3
+    );
+    assert_eq!(
+        scalar(
+            &client,
+            "SELECT count(*) FROM webhook_inbox WHERE event_id = 'evt_fine' AND processed_at IS NOT NULL"
+        )
+        .await,
+        1
+    );
+
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).args(["--max-attempts", "3", "needs-review", "--json"]);
+    let (code, stdout, out) = inbox_test_support::process::run_split(cmd, Duration::from_secs(30));
+    assert_eq!(code, 0, "{out}");
+    let listed: serde_json::Value =
+        serde_json::from_str(&stdout).expect("needs-review --json prints one JSON document");
+    assert_eq!(listed["rows"][0]["event_id"], "evt_poison", "{out}");
+    assert!(listed["rows"][0]["last_error"].as_str().unwrap().contains("amount_paid"), "{out}");
+
+    // The fix (here: the payload is corrected), then requeue: processed by the running worker.
+    client
+        .execute("UPDATE webhook_inbox SET payload = jsonb_set(payload, '{data,object,amount_paid}', '100') WHERE event_id = 'evt_poison'", &[])
+        .await
+        .unwrap();
+    let (code, out) = operator(&db, &["requeue", "--event-id", "evt_poison", "--actor", "alice"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(all_processed(&client, Duration::from_secs(10)).await, "{}", w.output());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 2);
+    let audit = client.query_one("SELECT actor, action, affected FROM operator_audit", &[]).await.unwrap();
+    assert_eq!(
+        (audit.get::<_, String>(0), audit.get::<_, String>(1), audit.get::<_, i32>(2)),
+        ("alice".into(), "requeue".into(), 1)
+    );
+}

@@ -1,0 +1,784 @@
+//! The worker's three transactions against a real PostgreSQL: the rows of the seed's section-10
+//! table adapted to ingest + worker, the two broken orderings of section 2 shown to fail under the
+//! assertion the real path passes, and order independence of the invoice lifecycle.
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use inbox_domain::handlers::{HandlerFuture, InboxEvent, Registry};
+use inbox_test_support::db::scalar;
+use inbox_test_support::events::{invoice_event, invoice_paid};
+use inbox_test_support::worker::{claim, eventually, execute, pool, store_event, test_limits};
+use inbox_test_support::TestDb;
+use inbox_worker::executor::Outcome;
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn invoices() -> Registry {
+    Registry::with_invoice_handlers()
+}
+
+/// Claims and executes everything ready, one row at a time; returns the outcomes.
+async fn drain(pool: &deadpool_postgres::Pool, registry: &Registry) -> Vec<Outcome> {
+    let mut outcomes = Vec::new();
+    loop {
+        let rows = claim(pool, 1, LEASE, 10).await;
+        let Some(row) = rows.first() else { return outcomes };
+        outcomes.push(execute(pool, registry, row, &test_limits(Duration::from_secs(5))).await);
+    }
+}
+
+/// Claims what is ready once and executes it (no second round: a failed row whose random
+/// backoff happens to be ~0 s must not be retried within the same assertion).
+async fn run_once(pool: &deadpool_postgres::Pool, registry: &Registry) -> Vec<Outcome> {
+    let mut outcomes = Vec::new();
+    for row in claim(pool, 100, LEASE, 10).await {
+        outcomes.push(execute(pool, registry, &row, &test_limits(Duration::from_secs(5))).await);
+    }
+    outcomes
+}
+
+#[tokio::test]
+async fn the_claim_counts_the_attempt_and_leases_the_row_before_any_work() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let pool = pool(&db, 2);
+    let claimed = claim(&pool, 10, LEASE, 10).await;
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].attempts, 1);
+    // Committed: another session sees the attempt and the lease, and cannot claim the row.
+    let row = client
+        .query_one("SELECT attempts, available_at > now() + interval '25 seconds', processed_at IS NULL FROM webhook_inbox", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert!(row.get::<_, bool>(1), "leased for the lease duration");
+    assert!(row.get::<_, bool>(2));
+    assert!(claim(&pool, 10, LEASE, 10).await.is_empty(), "a leased row is not claimed again");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 0);
+}
+
+#[tokio::test]
+async fn processing_commits_the_effect_and_processed_at_together() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 4200)).await;
+    let pool = pool(&db, 2);
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Processed]);
+    let row = client
+        .query_one("SELECT processed_at IS NOT NULL, last_error IS NULL, attempts FROM webhook_inbox", &[])
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0) && row.get::<_, bool>(1));
+    assert_eq!(row.get::<_, i32>(2), 1);
+    let invoice = client
+        .query_one("SELECT status, amount_paid, customer_id FROM invoices WHERE id = 'in_1'", &[])
+        .await
+        .unwrap();
+    assert_eq!(invoice.get::<_, String>(0), "paid");
+    assert_eq!(invoice.get::<_, i64>(1), 4200);
+    assert_eq!(invoice.get::<_, String>(2), "cus_TEST0001");
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM ledger_entries WHERE invoice_id = 'in_1' AND amount = 4200")
+            .await,
+        1
+    );
+    let outbox: serde_json::Value = client
+        .query_one(
+            "SELECT payload FROM outbox WHERE aggregate_id = 'in_1' AND event_type = 'InvoicePaymentBooked'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(outbox, serde_json::json!({ "invoice_id": "in_1", "amount": 4200 }));
+}
+
+/// Seed: the same event twice → processed once, one booking.
+#[tokio::test]
+async fn the_same_event_delivered_twice_is_booked_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Processed]);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await; // redelivery: ON CONFLICT
+    assert!(drain(&pool, &invoices()).await.is_empty());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 1);
+}
+
+/// Seed: a failing handler → attempts 1, last_error kept, processed on a later attempt.
+#[tokio::test]
+async fn a_failure_is_recorded_and_retried_after_the_backoff() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    let mut body: serde_json::Value = serde_json::from_slice(&invoice_paid("evt_1", "in_1", 100)).unwrap();
+    body["data"]["object"].as_object_mut().unwrap().remove("customer");
+    store_event(&client, "billing", &serde_json::to_vec(&body).unwrap()).await;
+    let outcomes = run_once(&pool, &invoices()).await;
+    assert!(
+        matches!(&outcomes[..], [Outcome::Failed(e)] if e.contains("data.object.customer")),
+        "{outcomes:?}"
+    );
+    let row = client
+        .query_one(
+            "SELECT attempts, last_error, processed_at IS NULL, available_at <= now() + interval '2 seconds' FROM webhook_inbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert!(row.get::<_, String>(1).contains("customer"));
+    assert!(row.get::<_, bool>(2));
+    assert!(row.get::<_, bool>(3), "backoff after attempt 1 is at most 2 s");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 0, "rolled back");
+
+    // The sender's data is fixed; the retry after the backoff processes it.
+    client
+        .execute(
+            "UPDATE webhook_inbox SET payload = jsonb_set(payload, '{data,object,customer}', '\"cus_1\"')",
+            &[],
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Processed]);
+    assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 2);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+}
+
+/// Seed: a worker that dies right after each claim, three times with a limit of 3 → parked.
+#[tokio::test]
+async fn a_row_whose_worker_dies_after_every_claim_stops_at_the_attempt_limit() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    for attempt in 1..=3 {
+        // Claim with a tiny lease and "die" (never process).
+        let rows = claim(&pool, 1, Duration::from_millis(50), 3).await;
+        assert_eq!(rows.len(), 1, "attempt {attempt}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(claim(&pool, 1, LEASE, 3).await.is_empty(), "parked rows are never claimed");
+    assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 3);
+}
+
+/// Seed: A's lease expires, B processes, A comes back → A does nothing.
+#[tokio::test]
+async fn a_worker_returning_after_its_lease_was_taken_does_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 3);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let a = claim(&pool, 1, Duration::from_millis(100), 10).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let b = claim(&pool, 1, LEASE, 10).await;
+    assert_eq!((a.len(), b.len()), (1, 1));
+    let limits = test_limits(Duration::from_secs(5));
+    assert_eq!(execute(&pool, &invoices(), &b[0], &limits).await, Outcome::Processed);
+    assert_eq!(execute(&pool, &invoices(), &a[0], &limits).await, Outcome::AlreadyProcessed);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+    assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 2);
+}
+
+/// Seed: while A holds the row in its process transaction, B waits for the lock (no SKIP
+/// LOCKED), then sees it processed and backs off.
+#[tokio::test]
+async fn a_second_worker_waits_for_the_row_lock_then_sees_it_processed() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 3);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let a = claim(&pool, 1, Duration::from_millis(100), 10).await.remove(0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let b = claim(&pool, 1, LEASE, 10).await.remove(0);
+    // A processes slowly: a trigger holds its transaction open for 1 s after the booking.
+    client
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$;
+             CREATE TRIGGER slow AFTER INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    let limits = test_limits(Duration::from_secs(5));
+    let (pa, pb) = (pool.clone(), pool.clone());
+    let first =
+        tokio::spawn(
+            async move { execute(&pa, &invoices(), &a, &test_limits(Duration::from_secs(5))).await },
+        );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    let second = execute(&pb, &invoices(), &b, &limits).await;
+    assert!(started.elapsed() > Duration::from_millis(500), "B waited for A's lock");
+    assert_eq!(first.await.unwrap(), Outcome::Processed);
+    assert_eq!(second, Outcome::AlreadyProcessed);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+}
+
+/// Seed: a handler over `statement_timeout` → recorded as such, still unprocessed.
+#[tokio::test]
+async fn a_handler_over_the_statement_timeout_is_recorded_and_stays_unprocessed() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    client
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let row = claim(&pool, 1, LEASE, 10).await.remove(0);
+    let outcome = execute(&pool, &invoices(), &row, &test_limits(Duration::from_millis(500))).await;
+    assert!(
+        matches!(&outcome, Outcome::Failed(e) if e.contains("statement timeout") && e.contains("57014")),
+        "{outcome:?}"
+    );
+    let last_error: String =
+        client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
+    assert!(last_error.contains("57014"), "{last_error}");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 0);
+    // The transaction-local timeout did not leak into the pooled connection.
+    let conn = pool.get().await.unwrap();
+    let timeout: String = conn.query_one("SHOW statement_timeout", &[]).await.unwrap().get(0);
+    assert_eq!(timeout, "0");
+}
+
+/// A lock held elsewhere on the invoice → lock_timeout (below the statement timeout) fires.
+#[tokio::test]
+async fn a_handler_blocked_on_a_lock_hits_the_lock_timeout() {
+    let db = TestDb::new().await;
+    let mut holder = db.client().await;
+    let pool = pool(&db, 2);
+    holder
+        .batch_execute("INSERT INTO invoices (id, customer_id, status) VALUES ('in_1', 'cus_1', 'open')")
+        .await
+        .unwrap();
+    store_event(&holder, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let tx = holder.transaction().await.unwrap();
+    tx.batch_execute("SELECT * FROM invoices WHERE id = 'in_1' FOR UPDATE").await.unwrap();
+    let row = claim(&pool, 1, LEASE, 10).await.remove(0);
+    let outcome = execute(&pool, &invoices(), &row, &test_limits(Duration::from_secs(2))).await;
+    assert!(
+        matches!(&outcome, Outcome::Failed(e) if e.contains("lock timeout") && e.contains("55P03")),
+        "{outcome:?}"
+    );
+    tx.rollback().await.unwrap();
+}
+
+fn panicking<'a>(_: &'a deadpool_postgres::Transaction<'_>, _: &'a InboxEvent) -> HandlerFuture<'a> {
+    Box::pin(async { panic!("boom in a handler") })
+}
+
+/// A panic in a handler is a recorded failure like any other.
+#[tokio::test]
+async fn a_panicking_handler_is_a_recorded_failure() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    let mut registry = invoices();
+    registry.register("invoice.paid", panicking);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let outcomes = run_once(&pool, &registry).await;
+    assert!(matches!(&outcomes[..], [Outcome::Failed(e)] if e.contains("boom in a handler")), "{outcomes:?}");
+    let last_error: String =
+        client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
+    assert!(last_error.contains("panicked"), "{last_error}");
+}
+
+#[tokio::test]
+async fn unknown_event_types_are_processed_without_effect() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_event("evt_1", "customer.created", "in_1", "open", 0)).await;
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Ignored]);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 0);
+}
+
+/// Seed: `invoice.paid` before `invoice.created` → paid.
+#[tokio::test]
+async fn paid_before_created_ends_paid() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_paid", "in_1", 100)).await;
+    drain(&pool, &invoices()).await;
+    store_event(&client, "billing", &invoice_event("evt_created", "invoice.created", "in_1", "draft", 0))
+        .await;
+    drain(&pool, &invoices()).await;
+    let status: String =
+        client.query_one("SELECT status FROM invoices WHERE id = 'in_1'", &[]).await.unwrap().get(0);
+    assert_eq!(status, "paid");
+}
+
+/// Seed: the same payment as two Event objects → one booking, one outbox row.
+#[tokio::test]
+async fn the_same_payment_as_two_event_objects_is_booked_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_A", "in_1", 100)).await;
+    store_event(&client, "billing", &invoice_paid("evt_B", "in_1", 100)).await;
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Processed, Outcome::Processed]);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 1);
+}
+
+/// Seed: `invoice.paid` on a voided invoice → no booking, no outbox, a reconciliation item.
+#[tokio::test]
+async fn a_payment_on_a_voided_invoice_books_nothing_and_asks_a_person() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_event("evt_v", "invoice.voided", "in_1", "void", 0)).await;
+    store_event(&client, "billing", &invoice_paid("evt_p", "in_1", 100)).await;
+    drain(&pool, &invoices()).await;
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 0);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 0);
+    let item =
+        client.query_one("SELECT invoice_id, event_id, reason FROM reconciliation_items", &[]).await.unwrap();
+    assert_eq!(
+        (item.get::<_, String>(0), item.get::<_, String>(1), item.get::<_, String>(2)),
+        ("in_1".into(), "evt_p".into(), "payment_on_void_invoice".into())
+    );
+    let status: String = client.query_one("SELECT status FROM invoices", &[]).await.unwrap().get(0);
+    assert_eq!(status, "void");
+}
+
+/// `invoice.paid` whose upsert waits on another transaction's uncommitted insert of the same
+/// invoice: the payment statement's snapshot predates that commit, so it finds no status and the
+/// handler reads it again with a fresh snapshot. A void committed meanwhile → a reconciliation
+/// item and no booking; a payment booked meanwhile (a second Event object) → still one booking.
+#[tokio::test]
+async fn a_payment_racing_a_concurrent_insert_of_its_invoice_acts_on_the_committed_status() {
+    for (other_status, ledger, reconciliation) in [("void", 0, 1), ("paid", 1, 0)] {
+        let db = TestDb::new().await;
+        let client = db.client().await;
+        let pool = pool(&db, 2);
+        store_event(&client, "billing", &invoice_paid("evt_p", "in_1", 100)).await;
+        let row = claim(&pool, 1, LEASE, 10).await.remove(0);
+        let other = db.client().await;
+        other.batch_execute("BEGIN").await.unwrap();
+        other
+            .execute(
+                "INSERT INTO invoices (id, customer_id, status) VALUES ('in_1', 'cus_1', $1)",
+                &[&other_status],
+            )
+            .await
+            .unwrap();
+        if other_status == "paid" {
+            other
+                .batch_execute(
+                    "INSERT INTO ledger_entries (invoice_id, kind, amount) VALUES ('in_1', 'payment', 100)",
+                )
+                .await
+                .unwrap();
+        }
+        let p = pool.clone();
+        let processing = tokio::spawn(async move {
+            execute(&p, &invoices(), &row, &test_limits(Duration::from_secs(10))).await
+        });
+        // Commit only once the worker's upsert waits on the uncommitted invoice row.
+        let waiting = "SELECT count(*) FROM pg_stat_activity
+                        WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while scalar(&client, waiting).await == 0 {
+            assert!(std::time::Instant::now() < deadline, "the worker never waited on the invoice");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        other.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(processing.await.unwrap(), Outcome::Processed, "{other_status}");
+        assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, ledger, "{other_status}");
+        assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 0, "{other_status}");
+        assert_eq!(
+            scalar(&client, "SELECT count(*) FROM reconciliation_items").await,
+            reconciliation,
+            "{other_status}"
+        );
+        let status: String = client.query_one("SELECT status FROM invoices", &[]).await.unwrap().get(0);
+        assert_eq!(status, other_status);
+    }
+}
+
+/// The set-based `invoice.paid` handler has the effect of the per-event one run on each event in
+/// order. One batch — a new invoice, the same payment as a second Event object, an open invoice,
+/// an invoice already paid and booked, a void invoice paid by two events, an invoice paid twice
+/// with different amounts — is processed in one transaction in one database and one event at a
+/// time in another: the business tables come out identical, and as expected.
+#[tokio::test]
+async fn a_batch_of_payments_has_the_effect_of_paying_one_event_at_a_time() {
+    let events = [
+        invoice_paid("evt_1", "in_new", 100),
+        invoice_paid("evt_2", "in_new", 100),
+        invoice_paid("evt_3", "in_open", 200),
+        invoice_paid("evt_4", "in_paid", 300),
+        invoice_paid("evt_5", "in_void", 400),
+        invoice_paid("evt_6", "in_void", 400),
+        invoice_paid("evt_7", "in_twice", 500),
+        invoice_paid("evt_8", "in_twice", 999),
+    ];
+    let prepare = |db: TestDb| async {
+        let client = db.client().await;
+        client
+            .batch_execute(
+                "INSERT INTO invoices (id, customer_id, status) VALUES ('in_open', 'cus_1', 'open'), ('in_void', 'cus_1', 'void');
+                 INSERT INTO invoices (id, customer_id, status, amount_paid) VALUES ('in_paid', 'cus_1', 'paid', 300);
+                 INSERT INTO ledger_entries (invoice_id, kind, amount) VALUES ('in_paid', 'payment', 300);",
+            )
+            .await
+            .unwrap();
+        for body in &events {
+            store_event(&client, "billing", body).await;
+        }
+        (db, client)
+    };
+    let (batched_db, batched) = prepare(TestDb::new().await).await;
+    let pool_a = pool(&batched_db, 2);
+    let claimed = claim(&pool_a, 100, LEASE, 10).await;
+    assert_eq!(claimed.len(), events.len());
+    let mut conn = inbox_worker::executor::Conn::get(&pool_a).await.unwrap();
+    let outcomes = inbox_worker::executor::execute_batch(
+        &mut conn,
+        &invoices(),
+        &claimed,
+        &test_limits(Duration::from_secs(5)),
+    )
+    .await;
+    assert!(outcomes.iter().all(|o| *o == Outcome::Processed), "{outcomes:?}");
+
+    let (single_db, single) = prepare(TestDb::new().await).await;
+    let outcomes = drain(&pool(&single_db, 2), &invoices()).await;
+    assert!(
+        outcomes.len() == events.len() && outcomes.iter().all(|o| *o == Outcome::Processed),
+        "{outcomes:?}"
+    );
+
+    async fn rows(client: &tokio_postgres::Client, sql: &str) -> Vec<String> {
+        client
+            .simple_query(sql)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => {
+                    Some((0..row.len()).map(|i| row.get(i).unwrap_or("NULL")).collect::<Vec<_>>().join("|"))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+    let expected: [(&str, &[&str]); 4] = [
+        (
+            "SELECT id, status, amount_paid, paid_at IS NOT NULL FROM invoices ORDER BY id",
+            &[
+                "in_new|paid|100|t",
+                "in_open|paid|200|t",
+                "in_paid|paid|300|f",
+                "in_twice|paid|500|t",
+                "in_void|void|0|f",
+            ],
+        ),
+        (
+            "SELECT invoice_id, kind, amount FROM ledger_entries ORDER BY 1",
+            &["in_new|payment|100", "in_open|payment|200", "in_paid|payment|300", "in_twice|payment|500"],
+        ),
+        (
+            "SELECT aggregate_id, payload->>'amount' FROM outbox ORDER BY 1",
+            &["in_new|100", "in_open|200", "in_twice|500"],
+        ),
+        (
+            "SELECT invoice_id, event_id, reason FROM reconciliation_items ORDER BY 1, 2",
+            &["in_void|evt_5|payment_on_void_invoice", "in_void|evt_6|payment_on_void_invoice"],
+        ),
+    ];
+    for (sql, want) in expected {
+        let (a, b) = (rows(&batched, sql).await, rows(&single, sql).await);
+        assert_eq!(a, b, "one batch vs one event at a time: {sql}");
+        assert_eq!(a, want, "{sql}");
+    }
+}
+
+/// Seed: the same event on two endpoints → both processed (and still one booking).
+#[tokio::test]
+async fn the_same_event_on_two_endpoints_is_processed_on_both() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    store_event(&client, "analytics", &invoice_paid("evt_1", "in_1", 100)).await;
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Processed, Outcome::Processed]);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL").await, 2);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+}
+
+/// Seed: 50 events, 4 workers (threads lined up on a barrier, one connection each) → exactly 50
+/// bookings, nothing left, every row in one attempt.
+#[test]
+fn fifty_events_over_four_concurrent_workers_are_each_booked_once_in_one_attempt() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    rt.block_on(async {
+        let client = db.client().await;
+        for i in 0..50 {
+            store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100 + i))
+                .await;
+        }
+    });
+    let barrier = Arc::new(Barrier::new(4));
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (barrier, config) = (barrier.clone(), db.config());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(async move {
+                    let pool = inbox_domain::db::build_pool(
+                        config,
+                        &inbox_domain::db::PoolOptions {
+                            max_size: 1,
+                            timeout: Duration::from_secs(10),
+                            application_name: "inbox-test",
+                            statement_timeout: None,
+                            verify_on_checkout: true,
+                        },
+                    )
+                    .unwrap();
+                    drop(pool.get().await.unwrap()); // connected before the start line
+                    barrier.wait();
+                    drain(&pool, &invoices()).await.len()
+                })
+            })
+        })
+        .collect();
+    let processed: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert_eq!(processed, 50);
+    rt.block_on(async {
+        let client = db.client().await;
+        assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 50);
+        assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await, 0);
+        assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE attempts <> 1").await, 0);
+    });
+}
+
+/// Shutdown hands back rows claimed but never started, returning their attempt — unless the
+/// lease already expired and another worker claimed the row.
+#[tokio::test]
+async fn handing_back_an_unstarted_claim_returns_its_attempt_only_while_it_is_ours() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    store_event(&client, "billing", &invoice_paid("evt_2", "in_2", 100)).await;
+    let mine = claim(&pool, 2, LEASE, 10).await;
+    assert_eq!(inbox_worker::completer::hand_back(&pool, &mine).await, 2);
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE attempts = 0 AND available_at <= now()")
+            .await,
+        2
+    );
+
+    // A claim whose lease expired and was taken by another worker is not ours to hand back.
+    let stale = claim(&pool, 1, Duration::from_millis(50), 10).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut taken = claim(&pool, 2, LEASE, 10).await;
+    taken.retain(|c| c.key == stale[0].key);
+    assert_eq!(taken[0].attempts, 2);
+    assert_eq!(inbox_worker::completer::hand_back(&pool, &stale).await, 0);
+    let attempts: i32 = client
+        .query_one("SELECT attempts FROM webhook_inbox WHERE event_id = $1", &[&stale[0].key.event_id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(attempts, 2);
+}
+
+/// Several events share one transaction, each in its own savepoint: a failing, a timing-out and a
+/// panicking event do not poison their neighbours, whose effects commit.
+#[tokio::test]
+async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    let mut registry = invoices();
+    registry.register("test.panic", panicking);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let mut broken: serde_json::Value = serde_json::from_slice(&invoice_paid("evt_2", "in_2", 100)).unwrap();
+    broken["data"]["object"].as_object_mut().unwrap().remove("customer");
+    store_event(&client, "billing", &serde_json::to_vec(&broken).unwrap()).await;
+    store_event(&client, "billing", &invoice_paid("evt_3", "in_3", 100)).await;
+    store_event(&client, "billing", &invoice_event("evt_4", "test.panic", "in_4", "open", 0)).await;
+    // evt_5's booking runs into the statement timeout (a trigger sleeps for in_5 only).
+    client
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN IF NEW.invoice_id = 'in_5' THEN PERFORM pg_sleep(2); END IF; RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    store_event(&client, "billing", &invoice_paid("evt_5", "in_5", 100)).await;
+    store_event(&client, "billing", &invoice_event("evt_6", "customer.created", "in_6", "open", 0)).await;
+
+    let claimed = claim(&pool, 10, LEASE, 10).await;
+    assert_eq!(claimed.len(), 6);
+    let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+    let outcomes = inbox_worker::executor::execute_batch(
+        &mut conn,
+        &registry,
+        &claimed,
+        // The worker's own deadline is generous: only evt_5's statement may time out.
+        &inbox_worker::executor::Limits {
+            deadline: Duration::from_secs(30),
+            ..test_limits(Duration::from_millis(700))
+        },
+    )
+    .await;
+    assert!(conn.is_clean(), "{outcomes:?}");
+    let by_id: std::collections::HashMap<&str, &Outcome> =
+        claimed.iter().map(|c| c.key.event_id.as_str()).zip(outcomes.iter()).collect();
+    assert_eq!(by_id["evt_1"], &Outcome::Processed);
+    assert!(matches!(by_id["evt_2"], Outcome::Failed(e) if e.contains("customer")), "{outcomes:?}");
+    assert_eq!(by_id["evt_3"], &Outcome::Processed);
+    assert!(matches!(by_id["evt_4"], Outcome::Failed(e) if e.contains("panicked")), "{outcomes:?}");
+    assert!(matches!(by_id["evt_5"], Outcome::Failed(e) if e.contains("57014")), "{outcomes:?}");
+    assert_eq!(by_id["evt_6"], &Outcome::Ignored);
+
+    let processed: Vec<String> = client
+        .query("SELECT event_id FROM webhook_inbox WHERE processed_at IS NOT NULL ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(processed, ["evt_1", "evt_3", "evt_6"]);
+    let booked: Vec<String> = client
+        .query("SELECT invoice_id FROM ledger_entries ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(booked, ["in_1", "in_3"]);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices WHERE id IN ('in_2', 'in_5')").await, 0);
+}
+
+/// Queues `n` unprocessed rows of `event_type` with ~1.5 KB payloads, in one statement.
+async fn queue_rows(client: &tokio_postgres::Client, n: i32, event_type: &str) {
+    client
+        .execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_' || i, $2, jsonb_build_object('pad', repeat('x', 1500))
+               FROM generate_series(1, $1) i",
+            &[&n, &event_type],
+        )
+        .await
+        .unwrap();
+}
+
+/// Planned for their arguments (the worker sends them unnamed), the claim, the lock and the mark
+/// find a batch's rows through the partial index or by TID on a queue of 20k rows — no plan
+/// scans the queue.
+#[tokio::test]
+async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_queue() {
+    use inbox_domain::store::{CLAIM_SQL, LOCK_BY_CTID_SQL, MARK_PROCESSED_SQL};
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let ctids = format!("('{{{}}}')", (1..=32).map(|i| format!("\"(0,{i})\"")).collect::<Vec<_>>().join(","));
+    // (name, statement, parameter types, arguments, the access its plan must use)
+    let statements = [
+        (
+            "claim",
+            CLAIM_SQL,
+            "int, bigint, float8",
+            "(10, 32, 30.0)".to_owned(),
+            "Index Scan using webhook_inbox_unprocessed",
+        ),
+        ("lock", LOCK_BY_CTID_SQL, "text[]", ctids.clone(), "Tid Scan"),
+        ("mark", MARK_PROCESSED_SQL, "text[]", ctids, "Tid Scan"),
+    ];
+    // What an unnamed statement gets: a plan for its arguments at each execution.
+    client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
+    for (name, sql, types, _, _) in &statements {
+        client.batch_execute(&format!("PREPARE {name}({types}) AS {sql}")).await.unwrap();
+    }
+    queue_rows(&client, 20_000, "invoice.paid").await;
+    for (name, _, _, args, access) in &statements {
+        let plan: Vec<String> = client
+            .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}"), &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let plan = plan.join("\n");
+        let other_scans = plan
+            .lines()
+            .filter(|l| l.contains("Scan") && l.contains(" on webhook_inbox"))
+            .filter(|l| !l.contains(access) && !l.contains("Tid Scan"))
+            .count();
+        assert!(
+            plan.contains(access) && other_scans == 0 && !plan.contains("Hash"),
+            "{name} must find its rows by {access}, not scan the queue:\n{plan}"
+        );
+    }
+}
+
+/// The same trap on the worker's real path: one session (as a worker's pooled connection)
+/// processes its first batches while the queue is small — PostgreSQL caches a prepared
+/// statement's generic plan after five executions — then the queue grows to 20k rows; claiming
+/// and processing a batch of 32 must read about those 32 rows, not the queue. With the claim,
+/// lock and mark prepared, their cached plans (bitmap scan and sort of every ready row, partial
+/// index scans) read 45k.
+#[tokio::test]
+async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_first_batches() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 1);
+    let registry = invoices();
+    let limits = test_limits(Duration::from_secs(5));
+    for i in 0..8 {
+        for j in 0..32 {
+            store_event(
+                &client,
+                "billing",
+                &invoice_paid(&format!("evt_w{i}_{j}"), &format!("in_w{i}_{j}"), 1),
+            )
+            .await;
+        }
+        let claimed = claim(&pool, 32, LEASE, 10).await;
+        let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+        let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
+        assert_eq!(outcomes, vec![Outcome::Processed; 32]);
+    }
+    queue_rows(&client, 20_000, "test.unhandled").await;
+    let claimed = claim(&pool, 32, LEASE, 10).await;
+    let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+    let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
+    assert_eq!(outcomes, vec![Outcome::Ignored; 32]);
+    drop(conn);
+    // The session ends, and reports its statistics before it leaves pg_stat_activity.
+    pool.close();
+    let sessions = "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = current_database() AND application_name = 'inbox-test'";
+    eventually(Duration::from_secs(2), || async { scalar(&client, sessions).await == 0 }).await;
+    let tuples_read = scalar(
+        &client,
+        "SELECT (SELECT seq_tup_read + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE relname = 'webhook_inbox')
+              + (SELECT sum(idx_tup_read)::bigint FROM pg_stat_user_indexes WHERE relname = 'webhook_inbox')",
+    )
+    .await;
+    assert!(tuples_read > 0, "the session's statistics were reported");
+    // The first batches read up to ~7k index entries and rows in all (the queue's dead entries
+    // accumulate, no vacuum ran); one statement scanning the grown queue reads 20k more.
+    assert!(
+        tuples_read < 15_000,
+        "the worker's statements read {tuples_read} rows and index entries of the inbox"
+    );
+}

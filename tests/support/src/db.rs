@@ -1,0 +1,210 @@
+//! A database per test, cloned from a template migrated once per migration set.
+//!
+//! The template's name carries a hash of `migrations/`, so editing a migration builds a new one.
+//! Test databases are named `inbox_test_<pid>_<n>`: they are dropped when the [`TestDb`] is
+//! dropped, and those of processes that no longer run (a crashed or killed test run) are dropped
+//! the next time any test starts.
+
+use std::hash::{Hash as _, Hasher as _};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use tokio_postgres::{Client, Config, NoTls};
+
+const TEST_DB_PREFIX: &str = "inbox_test_";
+const TEMPLATE_PREFIX: &str = "inbox_tmpl_";
+/// Serialises template creation and leftover cleanup across test processes.
+const TEMPLATE_LOCK_KEY: i64 = 0x5354_5249_5045_5431;
+
+static NEXT_DB: AtomicUsize = AtomicUsize::new(0);
+static TEMPLATE: OnceLock<String> = OnceLock::new();
+
+/// The server's `DATABASE_URL`, used to create and drop test databases.
+pub fn admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .expect("DATABASE_URL is not set: run the tests with `make test`, which starts PostgreSQL")
+}
+
+/// `url` with its database replaced by `db`, everything else (user, password, host, options)
+/// kept; URL or key=value form. For the `DATABASE_URL` of a binary started on another database of
+/// the same server.
+pub fn url_with_dbname(url: &str, db: &str) -> String {
+    if let Some(scheme_end) = url.find("://").filter(|_| url.starts_with("postgres")) {
+        let (base, query) = match url.find('?') {
+            Some(q) => (&url[..q], &url[q..]),
+            None => (url, ""),
+        };
+        let authority_end =
+            base[scheme_end + 3..].find('/').map(|i| scheme_end + 3 + i).unwrap_or(base.len());
+        format!("{}/{db}{query}", &base[..authority_end])
+    } else {
+        format!("{url} dbname={db}")
+    }
+}
+
+pub fn admin_config() -> Config {
+    admin_url().parse().expect("DATABASE_URL is not a valid connection string")
+}
+
+/// Connects with `config` and drives the connection on the current runtime.
+pub async fn connect(config: &Config) -> Client {
+    let (client, connection) = config.connect(NoTls).await.expect("connecting to PostgreSQL");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+/// One `SELECT count(*) …` (or any single bigint) query.
+pub async fn scalar(client: &Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+fn migrations_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations")
+}
+
+fn template_name() -> String {
+    let mut files: Vec<_> = std::fs::read_dir(migrations_dir())
+        .expect("reading migrations/")
+        .map(|e| e.expect("reading migrations/").path())
+        .collect();
+    files.sort();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for f in files {
+        f.file_name().hash(&mut hasher);
+        std::fs::read(&f).expect("reading a migration").hash(&mut hasher);
+    }
+    format!("{TEMPLATE_PREFIX}{:016x}", hasher.finish())
+}
+
+fn pid_alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+async fn ensure_template(admin: &Client) -> String {
+    let name = template_name();
+    admin.execute("SELECT pg_advisory_lock($1)", &[&TEMPLATE_LOCK_KEY]).await.unwrap();
+    let databases: Vec<String> = admin
+        .query("SELECT datname FROM pg_database WHERE datname LIKE 'inbox\\_%'", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for db in &databases {
+        let stale_template = db.starts_with(TEMPLATE_PREFIX) && *db != name;
+        let dead_test = db
+            .strip_prefix(TEST_DB_PREFIX)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+            .is_some_and(|pid| !pid_alive(pid));
+        if stale_template || dead_test {
+            let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS \"{db}\" WITH (FORCE)")).await;
+        }
+    }
+    if !databases.contains(&name) {
+        let wip = format!("{name}_wip");
+        admin.batch_execute(&format!("CREATE DATABASE \"{wip}\"")).await.unwrap();
+        let mut config = admin_config();
+        config.dbname(&wip);
+        let (mut client, connection) = config.connect(NoTls).await.unwrap();
+        let conn = tokio::spawn(connection);
+        inbox_domain::schema::migrate(&mut client).await.expect("migrating the template");
+        drop(client);
+        let _ = conn.await;
+        admin.batch_execute(&format!("ALTER DATABASE \"{wip}\" RENAME TO \"{name}\"")).await.unwrap();
+    }
+    admin.execute("SELECT pg_advisory_unlock($1)", &[&TEMPLATE_LOCK_KEY]).await.unwrap();
+    name
+}
+
+/// A database of its own for one test, dropped at the end.
+pub struct TestDb {
+    pub name: String,
+    config: Config,
+}
+
+impl TestDb {
+    /// A migrated database (cloned from the template).
+    pub async fn new() -> TestDb {
+        Self::create(true).await
+    }
+
+    /// An empty database: no schema at all.
+    pub async fn empty() -> TestDb {
+        Self::create(false).await
+    }
+
+    async fn create(migrated: bool) -> TestDb {
+        let admin = connect(&admin_config()).await;
+        let template = match TEMPLATE.get() {
+            Some(t) => t.clone(),
+            None => {
+                let t = ensure_template(&admin).await;
+                let _ = TEMPLATE.set(t.clone());
+                t
+            }
+        };
+        let name =
+            format!("{TEST_DB_PREFIX}{}_{}", std::process::id(), NEXT_DB.fetch_add(1, Ordering::SeqCst));
+        let sql = if migrated {
+            format!("CREATE DATABASE \"{name}\" TEMPLATE \"{template}\"")
+        } else {
+            format!("CREATE DATABASE \"{name}\"")
+        };
+        admin.batch_execute(&sql).await.expect("creating the test database");
+        let mut config = admin_config();
+        config.dbname(&name);
+        TestDb { name, config }
+    }
+
+    /// Connection settings of this database.
+    pub fn config(&self) -> Config {
+        self.config.clone()
+    }
+
+    /// Connection settings of this database through another port of 127.0.0.1 (a proxy).
+    pub fn config_via_port(&self, port: u16) -> Config {
+        let mut config = Config::new();
+        config.host("127.0.0.1").port(port).dbname(&self.name);
+        if let Some(user) = self.config.get_user() {
+            config.user(user);
+        }
+        config
+    }
+
+    /// This database's URL (for the binaries' `DATABASE_URL`): the server's, with this database.
+    pub fn url(&self) -> String {
+        url_with_dbname(&admin_url(), &self.name)
+    }
+
+    /// A new connection to this database.
+    pub async fn client(&self) -> Client {
+        connect(&self.config).await
+    }
+
+    /// `SELECT count(*)` of a table.
+    pub async fn count(&self, table: &str) -> i64 {
+        self.client().await.query_one(&format!("SELECT count(*) FROM {table}"), &[]).await.unwrap().get(0)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs outside any async context we can rely on: use a thread with its own runtime.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                if let Ok((client, connection)) = admin_config().connect(NoTls).await {
+                    tokio::spawn(connection);
+                    let _ = client
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
