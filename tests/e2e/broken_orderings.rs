@@ -6,7 +6,8 @@
 
 use std::time::Duration;
 
-use inbox_domain::handlers::{HandlerFuture, InboxEvent, Registry};
+use inbox_domain::handler::{HandlerFuture, Registry};
+use inbox_domain::inbox::event::InboxEvent;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::worker::{claim, execute, pool, store_event, test_limits};

@@ -4,13 +4,15 @@
 
 use std::time::Duration;
 
-use inbox_domain::handlers::{HandlerFuture, InboxEvent, Registry};
+use inbox_domain::handler::{HandlerFuture, Registry};
+use inbox_domain::inbox::event::InboxEvent;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_test_support::worker::{claim, eventually, execute, pool, spawn_worker, store_event, test_limits};
 use inbox_test_support::{spawn_app_with, TestDb};
-use inbox_worker::executor::{self, Conn, Limits, Outcome};
+use inbox_worker::conn::Conn;
+use inbox_worker::executor::{self, Limits, Outcome};
 
 /// Sessions of `application_name` on this database left inside a transaction.
 async fn in_transaction(client: &tokio_postgres::Client, application_name: &str) -> i64 {

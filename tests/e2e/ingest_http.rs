@@ -1,7 +1,7 @@
 //! Every row of DESIGN's HTTP table and every signature case of its "Bad input" list: the status
 //! code, the body, and what the inbox holds afterwards.
 
-use inbox_domain::signature::{compute_v1, sign_header};
+use inbox_domain::inbox::signature::{compute_v1, sign_header};
 use inbox_test_support::app::concurrent_posts;
 use inbox_test_support::events::{invoice_paid, now, sign, SECRET_A, SECRET_B, SECRET_C};
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
@@ -263,7 +263,7 @@ async fn health_readiness_and_metrics() {
     assert_eq!(app.get("/healthz").await.status, 200);
     let ready = app.get("/readyz").await;
     assert_eq!(ready.status, 200, "{}", ready.text);
-    assert_eq!(ready.body["schema_version"], inbox_domain::schema::expected_version());
+    assert_eq!(ready.body["schema_version"], inbox_domain::inbox::schema::expected_version());
 
     app.post_signed(invoice_paid("evt_m1", "in_1", 1)).await;
     app.post_signed(invoice_paid("evt_m1", "in_1", 1)).await;

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use inbox_domain::handlers::Registry;
+use inbox_domain::handler::Registry;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::invoice_event;
 use inbox_test_support::worker::{claim, execute, pool, store_event, test_limits};

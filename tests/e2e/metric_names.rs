@@ -161,7 +161,7 @@ async fn the_keda_query_counts_the_rows_stats_calls_ready() {
             .unwrap();
     }
     let keda = scalar(&client, &query).await;
-    let gauges = inbox_worker::ops::queue_gauges(&client, 10).await.unwrap();
+    let gauges = inbox_domain::inbox::store::admin::queue_gauges(&client, 10).await.unwrap();
     assert_eq!(keda, 1, "the KEDA query should count only the ready row: {query}");
     assert_eq!(keda, gauges.ready, "the KEDA query and the inbox_ready gauge disagree");
 }

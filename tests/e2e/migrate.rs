@@ -30,7 +30,7 @@ async fn migrate_applies_the_schema_once_even_when_two_run_at_once() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let expected: Vec<i32> = (1..=inbox_domain::schema::expected_version()).collect();
+    let expected: Vec<i32> = (1..=inbox_domain::inbox::schema::expected_version()).collect();
     assert_eq!(versions, expected);
     for table in
         ["webhook_inbox", "invoices", "outbox", "ledger_entries", "operator_audit", "reconciliation_items"]

@@ -245,11 +245,11 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
     assert!(!table.contains("invoice.voided"), "{table}");
 
     // The worker's gauges agree, from the unprocessed rows alone.
-    let gauges = inbox_worker::ops::queue_gauges(&client, 10).await.unwrap();
+    let gauges = inbox_domain::inbox::store::admin::queue_gauges(&client, 10).await.unwrap();
     assert_eq!((gauges.unprocessed, gauges.needs_review, gauges.ready), (4, 1, 1));
     assert!((7200.0..7260.0).contains(&gauges.oldest_unprocessed_age_seconds));
     client.execute("DELETE FROM webhook_inbox WHERE processed_at IS NULL", &[]).await.unwrap();
-    let gauges = inbox_worker::ops::queue_gauges(&client, 10).await.unwrap();
+    let gauges = inbox_domain::inbox::store::admin::queue_gauges(&client, 10).await.unwrap();
     assert_eq!(gauges.oldest_unprocessed_age_seconds, 0.0);
     assert_eq!(gauges.unprocessed, 0);
 }
@@ -404,7 +404,7 @@ async fn requeue_refuses_processed_unknown_and_ambiguous_ids() {
 
     let output = refused(&db, &["requeue", "--event-id", "evt_done"]).await;
     assert!(output.contains("was processed at"), "{output}");
-    assert!(output.contains("inbox-worker replay"), "the message points to replay: {output}");
+    assert!(output.contains("use `replay`"), "the message points to replay: {output}");
 
     let output = refused(&db, &["requeue", "--event-id", "evt_nope"]).await;
     assert!(output.contains("no event evt_nope in the inbox"), "{output}");
@@ -572,10 +572,11 @@ async fn replay_repairs_missing_business_rows_and_never_double_books() {
     assert_eq!(business(&client).await, (0, 0, 0), "the business rows are missing");
 
     let report = json_of(&db, &["replay", "--event-id", "evt_paid", "--actor", "carol"]).await;
+    let audit_id = report["audit_id"].as_i64().expect("the audit record's id");
     assert_eq!(
         report,
         json!({"action": "replay", "endpoint": "billing", "event_id": "evt_paid",
-               "event_type": "invoice.paid", "handler": "applied"})
+               "event_type": "invoice.paid", "audit_id": audit_id})
     );
     assert_eq!(business(&client).await, (1, 1, 1), "re-created");
     let amount = scalar(&client, "SELECT amount FROM ledger_entries WHERE invoice_id = 'in_evt_paid'").await;
@@ -608,16 +609,20 @@ async fn replay_repairs_missing_business_rows_and_never_double_books() {
 }
 
 #[tokio::test]
-async fn replay_of_a_type_without_handler_counts_as_replayed() {
+async fn replay_of_a_type_this_binary_has_no_handler_for_is_refused_and_changes_nothing() {
     let db = TestDb::new().await;
     let client = db.client().await;
     seed(&client, &[Row { event_type: "customer.created", ..processed("evt_cus", 60.0) }]).await;
-    let report = json_of(&db, &["replay", "--event-id", "evt_cus"]).await;
-    assert_eq!(report["handler"], "no handler");
-    assert_eq!(report["event_type"], "customer.created");
-    let records = audit(&client).await;
-    assert_eq!(records.len(), 1);
-    assert_eq!((records[0].1.as_str(), records[0].3), ("replay", 1));
+    let before = snapshot(&client).await;
+    let output = refused(&db, &["replay", "--event-id", "evt_cus"]).await;
+    assert!(
+        output.contains("customer.created event, which this binary has no handler for")
+            && output.contains("invoice.paid")
+            && output.contains("nothing changed"),
+        "{output}"
+    );
+    assert_eq!(snapshot(&client).await, before, "processed_at not renewed");
+    assert!(audit(&client).await.is_empty(), "no audit record for a replay that did nothing");
 }
 
 #[tokio::test]

@@ -5,7 +5,8 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use inbox_domain::handlers::{HandlerFuture, InboxEvent, Registry};
+use inbox_domain::handler::{HandlerFuture, Registry};
+use inbox_domain::inbox::event::InboxEvent;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, eventually, execute, pool, store_event, test_limits};
@@ -444,7 +445,7 @@ async fn a_batch_of_payments_has_the_effect_of_paying_one_event_at_a_time() {
     let pool_a = pool(&batched_db, 2);
     let claimed = claim(&pool_a, 100, LEASE, 10).await;
     assert_eq!(claimed.len(), events.len());
-    let mut conn = inbox_worker::executor::Conn::get(&pool_a).await.unwrap();
+    let mut conn = inbox_worker::conn::Conn::get(&pool_a).await.unwrap();
     let outcomes = inbox_worker::executor::execute_batch(
         &mut conn,
         &invoices(),
@@ -628,7 +629,7 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
 
     let claimed = claim(&pool, 10, LEASE, 10).await;
     assert_eq!(claimed.len(), 6);
-    let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+    let mut conn = inbox_worker::conn::Conn::get(&pool).await.unwrap();
     let outcomes = inbox_worker::executor::execute_batch(
         &mut conn,
         &registry,
@@ -687,7 +688,7 @@ async fn queue_rows(client: &tokio_postgres::Client, n: i32, event_type: &str) {
 /// scans the queue.
 #[tokio::test]
 async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_queue() {
-    use inbox_domain::store::{CLAIM_SQL, LOCK_BY_CTID_SQL, MARK_PROCESSED_SQL};
+    use inbox_domain::inbox::store::queue::{CLAIM_SQL, LOCK_BY_CTID_SQL, MARK_PROCESSED_SQL};
     let db = TestDb::new().await;
     let client = db.client().await;
     let ctids = format!("('{{{}}}')", (1..=32).map(|i| format!("\"(0,{i})\"")).collect::<Vec<_>>().join(","));
@@ -753,13 +754,13 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
             .await;
         }
         let claimed = claim(&pool, 32, LEASE, 10).await;
-        let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+        let mut conn = inbox_worker::conn::Conn::get(&pool).await.unwrap();
         let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
         assert_eq!(outcomes, vec![Outcome::Processed; 32]);
     }
     queue_rows(&client, 20_000, "test.unhandled").await;
     let claimed = claim(&pool, 32, LEASE, 10).await;
-    let mut conn = inbox_worker::executor::Conn::get(&pool).await.unwrap();
+    let mut conn = inbox_worker::conn::Conn::get(&pool).await.unwrap();
     let outcomes = inbox_worker::executor::execute_batch(&mut conn, &registry, &claimed, &limits).await;
     assert_eq!(outcomes, vec![Outcome::Ignored; 32]);
     drop(conn);

@@ -1,12 +1,9 @@
-//! Configuration pieces both binaries share: endpoint secrets, durations and sizes, logging.
+//! Configuration pieces both binaries share: endpoint secrets, durations and sizes.
 //!
 //! Secrets never reach a log line, an error message or `--help`: the types holding them print
 //! `[redacted]`, and parse errors name the position of a bad entry, never its text.
 
 use std::fmt;
-use std::io::IsTerminal;
-
-use tracing_subscriber::EnvFilter;
 
 /// One webhook endpoint: its name (the `{endpoint}` of the URL) and the signing secrets that
 /// may have signed its deliveries (two during a secret roll).
@@ -90,46 +87,6 @@ pub fn split_endpoint_list(text: &str) -> Vec<String> {
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
         .collect()
-}
-
-/// Log output format (`--log-format`, `LOG_FORMAT`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogFormat {
-    Json,
-    Text,
-}
-
-impl LogFormat {
-    /// `text` on a terminal, else `json` (what a log collector wants).
-    pub fn detect() -> Self {
-        if std::io::stderr().is_terminal() {
-            LogFormat::Text
-        } else {
-            LogFormat::Json
-        }
-    }
-}
-
-impl std::str::FromStr for LogFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "json" => Ok(LogFormat::Json),
-            "text" => Ok(LogFormat::Text),
-            _ => Err("expected `json` or `text`".to_owned()),
-        }
-    }
-}
-
-/// Installs the `tracing` subscriber: `RUST_LOG` filters (default `info`), logs go to stderr.
-pub fn init_tracing(format: Option<LogFormat>) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    // try_init: a second call (tests building several apps in one process) keeps the first.
-    let _ = match format.unwrap_or_else(LogFormat::detect) {
-        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
 }
 
 /// Parses a humantime duration (`30s`, `2m`, `1h 30m`); `0` is accepted as zero seconds.

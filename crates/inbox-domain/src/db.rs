@@ -73,6 +73,16 @@ pub async fn check_reachable(pool: &Pool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A database error with its SQLSTATE, e.g. `canceling statement due to statement timeout
+/// (57014)`; the driver's own text for errors the server did not send (a closed connection).
+/// tokio-postgres' `Display` of a server error is only "db error".
+pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}
+
 /// A short description of a pool error that names the cause (refused, timed out, …) without
 /// printing connection parameters.
 pub fn describe_pool_error(e: &deadpool_postgres::PoolError) -> String {

@@ -1,22 +1,22 @@
-//! The domain of stripe-inbox, shared by `inbox-ingest` and `inbox-worker`.
+//! The library both binaries share, in three parts.
 //!
-//! * [`signature`]: Stripe's `Stripe-Signature` scheme, verified on the raw body.
-//! * [`event`]: the two fields the ingest needs from a verified body, and its JSON as a parameter.
-//! * [`store`]: every SQL statement on `webhook_inbox`, each a documented constant.
-//! * [`schema`]: the embedded migrations and the schema version this build expects.
-//! * [`db`]: the connection pool both binaries use.
-//! * [`config`]: configuration pieces both binaries share (endpoints, secrets, logging).
+//! **The inbox** ([`inbox`]): what a verified Stripe event is ([`inbox::event`]), Stripe's
+//! signature scheme ([`inbox::signature`]), every SQL statement on `webhook_inbox`
+//! ([`inbox::store`]) and the schema with its migrations ([`inbox::schema`]).
+//!
+//! **Handlers** ([`handler`]): the extension point — the [`handler::Handler`] trait and the
+//! [`handler::Registry`] of handlers by event type — and [`invoice`], the invoice business this
+//! project ships: a handler set like any application's own.
+//!
+//! **Process plumbing** shared by the binaries: the connection pool ([`db`]), logging
+//! ([`telemetry`]) and the configuration pieces both read ([`config`]).
 
 pub mod config;
 pub mod db;
-pub mod event;
-pub mod handlers;
-pub mod schema;
-pub mod signature;
-pub mod store;
-
-pub use event::{EventHead, EventHeadError, JsonBytes};
-pub use signature::{SignatureError, Verifier};
+pub mod handler;
+pub mod inbox;
+pub mod invoice;
+pub mod telemetry;
 
 /// The provider column of every row this service writes.
 pub const PROVIDER_STRIPE: &str = "stripe";

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_domain::signature::{compute_v1, sign_header, ConfigError, SignatureError, Verifier};
+use inbox_domain::inbox::signature::{compute_v1, sign_header, ConfigError, SignatureError, Verifier};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde::Deserialize;
@@ -491,13 +491,20 @@ fn new_refuses_an_empty_secret() {
 
 #[test]
 fn new_accepts_strings_and_strs() {
+    let body = b"{}";
+    let now = 1_795_000_000;
     let owned = vec![SECRET.to_string(), SECRET_2.to_string()];
     let v = Verifier::new(&owned, Duration::from_secs(60)).unwrap();
-    assert_eq!(v.secret_count(), 2);
-    assert_eq!(v.tolerance(), Duration::from_secs(60));
+    assert_eq!(v.verify(Some(sign_header(SECRET_2, now, body).as_bytes()), body, now + 60), Ok(now));
+    assert_eq!(
+        v.verify(Some(sign_header(SECRET_2, now, body).as_bytes()), body, now + 61),
+        Err(SignatureError::TimestampOutsideTolerance)
+    );
     let v = Verifier::new(&[SECRET], Duration::from_secs(TOL)).unwrap();
-    assert_eq!(v.secret_count(), 1);
-    assert_eq!(v.tolerance(), Duration::from_secs(TOL));
+    assert_eq!(
+        v.verify(Some(sign_header(SECRET_2, now, body).as_bytes()), body, now),
+        Err(SignatureError::NoMatch)
+    );
 }
 
 #[test]

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use actix_web::web::Bytes;
 use deadpool_postgres::Pool;
-use inbox_domain::store::{self, InsertOutcome, NewEvent};
+use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent};
 use inbox_domain::PROVIDER_STRIPE;
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 use tokio_postgres::error::SqlState;

@@ -6,8 +6,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use inbox_domain::config::{
-    parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec, LogFormat,
+    parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec,
 };
+use inbox_domain::telemetry::LogFormat;
 
 /// Receives Stripe webhooks: verifies each signature on the raw body and commits the event to the
 /// inbox before answering 2xx.

@@ -4,7 +4,8 @@
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
-use inbox_domain::{EventHeadError, SignatureError};
+use inbox_domain::inbox::event::EventHeadError;
+use inbox_domain::inbox::signature::SignatureError;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum IngestError {

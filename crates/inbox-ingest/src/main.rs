@@ -7,7 +7,7 @@ use inbox_ingest::{Application, Cli};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    inbox_domain::config::init_tracing(cli.log_format);
+    inbox_domain::telemetry::init_tracing(cli.log_format);
     match actix_web::rt::System::new().block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

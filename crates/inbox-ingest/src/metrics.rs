@@ -94,10 +94,7 @@ impl Metrics {
 
     /// The exposition text (OpenMetrics, which Prometheus scrapes natively).
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        inbox_domain::telemetry::render_metrics(&self.registry)
     }
 }
 

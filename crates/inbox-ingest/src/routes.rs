@@ -5,8 +5,10 @@ use std::time::{Duration, Instant};
 use actix_web::http::header::{HeaderMap, CONTENT_LENGTH};
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
-use inbox_domain::store::InsertOutcome;
-use inbox_domain::{EventHead, PROVIDER_STRIPE};
+use inbox_domain::inbox::event::EventHead;
+use inbox_domain::inbox::signature;
+use inbox_domain::inbox::store::ingest::InsertOutcome;
+use inbox_domain::PROVIDER_STRIPE;
 use tracing::Instrument as _;
 
 use crate::error::IngestError;
@@ -16,9 +18,6 @@ use crate::startup::AppState;
 /// Largest total size of a webhook request's headers. Stripe sends well under 1 KiB; the HTTP
 /// layer accepts far more (128 KiB), which only serves to make verification work on junk.
 pub const MAX_HEADER_BYTES: usize = 8 * 1024;
-
-/// The header Stripe signs with.
-pub const SIGNATURE_HEADER: &str = "Stripe-Signature";
 
 /// `POST /webhooks/stripe/{endpoint}`: verify, store, then answer.
 pub async fn receive_webhook(
@@ -84,10 +83,10 @@ async fn receive(
     let body = read_body(headers, payload, state.max_body, state.body_timeout).await?;
 
     // Two Stripe-Signature headers are ambiguous: refuse rather than pick one.
-    let mut signatures = headers.get_all(SIGNATURE_HEADER);
+    let mut signatures = headers.get_all(signature::HEADER_NAME);
     let header = signatures.next().map(|v| v.as_bytes());
     if signatures.next().is_some() {
-        return Err(IngestError::BadSignature(inbox_domain::SignatureError::Malformed(
+        return Err(IngestError::BadSignature(signature::SignatureError::Malformed(
             "more than one Stripe-Signature header",
         )));
     }
@@ -141,10 +140,10 @@ pub async fn healthz() -> HttpResponse {
 
 /// `GET /readyz`: the database answers and its schema is at least the version this build expects.
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    let expected = inbox_domain::schema::expected_version();
+    let expected = inbox_domain::inbox::schema::expected_version();
     let check = async {
         let client = state.pool.get().await.map_err(|_| "database unavailable")?;
-        inbox_domain::schema::current_version(&client).await.map_err(|_| "database unavailable")
+        inbox_domain::inbox::schema::current_version(&client).await.map_err(|_| "database unavailable")
     };
     let timeout = state.db_timeout.min(Duration::from_secs(2));
     let (ready, body) = match tokio::time::timeout(timeout, check).await {
@@ -174,6 +173,6 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 /// `GET /metrics`: Prometheus exposition.
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
-        .content_type("application/openmetrics-text; version=1.0.0; charset=utf-8")
+        .content_type(inbox_domain::telemetry::METRICS_CONTENT_TYPE)
         .body(state.metrics.render())
 }

@@ -11,7 +11,7 @@ use actix_web::{web, App, HttpResponse, HttpServer};
 use anyhow::Context as _;
 use deadpool_postgres::Pool;
 use inbox_domain::db::{build_pool, check_reachable, PoolOptions};
-use inbox_domain::Verifier;
+use inbox_domain::inbox::signature::Verifier;
 use tokio::sync::Notify;
 
 use crate::batcher::Batcher;
@@ -49,7 +49,7 @@ async fn notify_workers(pool: Pool, wake: Arc<Notify>) {
     loop {
         wake.notified().await;
         if let Ok(client) = pool.get().await {
-            if let Err(e) = client.batch_execute(inbox_domain::store::NOTIFY_SQL).await {
+            if let Err(e) = client.batch_execute(inbox_domain::inbox::store::ingest::NOTIFY_SQL).await {
                 tracing::debug!(error = %e, "wake-up NOTIFY failed (workers fall back to polling)");
             }
         }

@@ -1,10 +1,14 @@
-//! `inbox-worker`'s command line.
+//! The command line of a worker binary: the global flags, one subcommand per command, and the
+//! flags of `run` (each operator command's flags live in its own file under `ops/`).
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
-use inbox_domain::config::{parse_duration, LogFormat};
+use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
+use inbox_domain::config::parse_duration;
+use inbox_domain::telemetry::LogFormat;
+
+use crate::ops;
 
 /// Applies inbox events to the business tables exactly once, and the operator commands.
 #[derive(Debug, Parser)]
@@ -14,6 +18,15 @@ pub struct Cli {
     pub global: GlobalArgs,
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// Parses the process's arguments, naming the program `name` in help and errors (a team's
+    /// own binary is not called `inbox-worker`). A usage error exits with status 2.
+    pub fn parse_as(name: &str) -> Cli {
+        let matches = Cli::command().name(name.to_owned()).bin_name(name.to_owned()).get_matches();
+        Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
 }
 
 /// Flags every subcommand takes.
@@ -33,22 +46,25 @@ pub struct GlobalArgs {
     pub log_format: Option<LogFormat>,
 }
 
+/// One variant per command; each operator command is a module of [`crate::ops`].
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Apply the schema migrations (safe to run repeatedly and concurrently).
+    /// Apply the schema migrations, the inbox's then this binary's own (safe to run repeatedly
+    /// and concurrently).
     Migrate,
     /// Process inbox rows until SIGTERM/SIGINT.
     Run(RunArgs),
     /// Queue health: unprocessed, ready, leased, oldest age, needs review, processed last hour.
-    Stats(OutputArgs),
+    Stats(ops::stats::Args),
     /// List parked rows (attempts at the limit), oldest first.
-    NeedsReview(NeedsReviewArgs),
+    NeedsReview(ops::needs_review::Args),
     /// Put parked rows back in the queue (attempts = 0, available now).
-    Requeue(RequeueArgs),
-    /// Run an already processed event again (handlers are idempotent: this repairs, never double-books).
-    Replay(ReplayArgs),
+    Requeue(ops::requeue::Args),
+    /// Run an already processed event again with this binary's handler (handlers are idempotent:
+    /// this repairs, never double-books).
+    Replay(ops::replay::Args),
     /// Delete processed rows older than an age, in batches.
-    Purge(PurgeArgs),
+    Purge(ops::purge::Args),
 }
 
 #[derive(Debug, Args)]
@@ -84,90 +100,4 @@ pub struct RunArgs {
     /// After SIGTERM/SIGINT, how long in-flight events may take to finish.
     #[arg(long, env = "INBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
-}
-
-/// Output flags of the operator commands.
-#[derive(Debug, Args, Clone)]
-pub struct OutputArgs {
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// Who is acting, for `operator_audit`.
-#[derive(Debug, Args, Clone)]
-pub struct ActorArgs {
-    /// Recorded in operator_audit [default: $USER].
-    #[arg(long, env = "USER", hide_env_values = false, default_value = "unknown")]
-    pub actor: String,
-}
-
-#[derive(Debug, Args)]
-pub struct NeedsReviewArgs {
-    #[command(flatten)]
-    pub output: OutputArgs,
-    /// Most rows listed.
-    #[arg(long, default_value_t = 100)]
-    pub limit: i64,
-}
-
-#[derive(Debug, Args)]
-#[command(group(clap::ArgGroup::new("target").required(true).args(["event_id", "all"])))]
-pub struct RequeueArgs {
-    /// The event to requeue.
-    #[arg(long)]
-    pub event_id: Option<String>,
-    /// The endpoint of --event-id (needed when the id is stored for several endpoints).
-    #[arg(long, requires = "event_id")]
-    pub endpoint: Option<String>,
-    /// Every parked row (narrow with --event-type / --error-contains).
-    #[arg(long, conflicts_with = "event_id")]
-    pub all: bool,
-    /// With --all: only rows of this event type.
-    #[arg(long, requires = "all")]
-    pub event_type: Option<String>,
-    /// With --all: only rows whose last_error contains this text.
-    #[arg(long, requires = "all")]
-    pub error_contains: Option<String>,
-    /// Show what would be requeued, change nothing.
-    #[arg(long)]
-    pub dry_run: bool,
-    #[command(flatten)]
-    pub actor: ActorArgs,
-    #[command(flatten)]
-    pub output: OutputArgs,
-}
-
-#[derive(Debug, Args)]
-pub struct ReplayArgs {
-    /// The processed event to run again.
-    #[arg(long)]
-    pub event_id: String,
-    /// Its endpoint (needed when the id is stored for several endpoints).
-    #[arg(long)]
-    pub endpoint: Option<String>,
-    #[command(flatten)]
-    pub actor: ActorArgs,
-    #[command(flatten)]
-    pub output: OutputArgs,
-}
-
-#[derive(Debug, Args)]
-pub struct PurgeArgs {
-    /// Delete processed rows older than this (processed_at), e.g. 30d.
-    #[arg(long, value_parser = parse_duration)]
-    pub older_than: Duration,
-    /// Count what would be deleted, delete nothing.
-    #[arg(long)]
-    pub dry_run: bool,
-    /// Allow an age under Stripe's 3-day retry window (a redelivery could then be applied again).
-    #[arg(long)]
-    pub force: bool,
-    /// Rows deleted per transaction.
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
-    pub batch_size: i64,
-    #[command(flatten)]
-    pub actor: ActorArgs,
-    #[command(flatten)]
-    pub output: OutputArgs,
 }

@@ -1,21 +1,30 @@
-//! The executor: runs claimed events in one transaction (transaction 2), each event inside its
-//! own savepoint so that one failing event does not poison the others, and returns an outcome
-//! per event. It writes nothing on failure: the [`crate::completer`] does, in a new transaction.
+//! The executor: runs a claimed batch in one process transaction (transaction 2) and returns an
+//! outcome per event. It writes nothing on failure: the [`crate::completer`] does, in a new
+//! transaction.
+//!
+//! A batch first runs *pipelined*, without savepoints: the limits and the row locks in one write,
+//! then every handler's statements and the processed mark in another, then COMMIT. Only when an
+//! event fails does the batch run again *isolated*, in a new transaction with a savepoint per
+//! event, so that the failure stays with its own event and the others commit. Failures are rare;
+//! the common path pays nothing for isolation.
 //!
 //! One transaction for a batch is what keeps commits per event far below one: the claim and the
-//! process commit are shared by every event of the batch. The price is that events of a batch
-//! run one after the other on one connection; `--concurrency` sets how many run at once overall.
+//! process commit are shared by every event of the batch. The events of a batch share one
+//! connection; `--concurrency` / `--batch-size` batches run at once.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::{Object, Transaction};
 use futures_util::FutureExt as _;
-use inbox_domain::handlers::{describe_db_error, BatchHandler, Handler, InboxEvent, Registry};
-use inbox_domain::store::{self, Claimed, InboxKey};
-use serde_json::value::RawValue;
-use tokio_postgres::types::{Json, ToSql, Type};
+use inbox_domain::db::describe_db_error;
+use inbox_domain::handler::{BatchHandler, Handler, HandlerError, Registry};
+use inbox_domain::inbox::event::InboxEvent;
+use inbox_domain::inbox::store::queue::{self, Claimed};
+use inbox_domain::inbox::store::{set_limits, InboxKey, TransactionLimits};
+
+use crate::conn::Conn;
 
 /// What running one event came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,17 +37,6 @@ pub enum Outcome {
     AlreadyProcessed,
     /// Rolled back; the message goes to `last_error`.
     Failed(String),
-}
-
-impl Outcome {
-    pub fn label(&self) -> &'static str {
-        match self {
-            Outcome::Processed => "processed",
-            Outcome::Ignored => "ignored",
-            Outcome::AlreadyProcessed => "already_processed",
-            Outcome::Failed(_) => "failed",
-        }
-    }
 }
 
 /// Limits of the process transaction.
@@ -55,50 +53,15 @@ pub struct Limits {
     pub deadline: Duration,
 }
 
-/// A pooled connection that is discarded unless explicitly marked clean: a task cancelled or
-/// panicking mid-transaction never hands a connection with an open or aborted transaction back
-/// to the pool.
-pub struct Conn {
-    object: Option<Object>,
-    clean: bool,
-}
-
-impl Conn {
-    pub async fn get(pool: &Pool) -> Result<Conn, String> {
-        pool.get()
-            .await
-            .map(|object| Conn { object: Some(object), clean: false })
-            .map_err(|e| inbox_domain::db::describe_pool_error(&e))
-    }
-
-    pub fn client(&mut self) -> &mut Object {
-        self.object.as_mut().expect("connection present until drop")
-    }
-
-    /// Declares the connection outside any transaction: it goes back to the pool when dropped.
-    pub fn set_clean(&mut self, clean: bool) {
-        self.clean = clean;
-    }
-
-    /// Whether the connection will go back to the pool.
-    pub fn is_clean(&self) -> bool {
-        self.clean
-    }
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        if let Some(object) = self.object.take() {
-            if !self.clean {
-                // Detach from the pool and close: the server rolls back whatever was open.
-                drop(Object::take(object));
-            }
+impl Limits {
+    /// The part the server enforces.
+    fn transaction(&self) -> TransactionLimits {
+        TransactionLimits {
+            statement_timeout: self.statement_timeout,
+            lock_timeout: self.lock_timeout,
+            idle_timeout: self.idle_timeout,
         }
     }
-}
-
-fn millis(d: Duration) -> String {
-    format!("{}ms", d.as_millis().max(1))
 }
 
 /// Runs one claimed event; see [`execute_batch`].
@@ -121,7 +84,15 @@ pub async fn execute_batch(
 ) -> Vec<Outcome> {
     conn.set_clean(false);
     let all_failed = |message: String| claimed.iter().map(|_| Outcome::Failed(message.clone())).collect();
-    match tokio::time::timeout(limits.deadline, run_transaction(conn, registry, claimed, limits)).await {
+    let run = async {
+        match run_pipelined(conn.client(), registry, claimed, limits).await? {
+            Pipelined::Done(outcomes) => Ok(outcomes),
+            // A batch of one needs no second pass: its rollback isolated the failure already.
+            Pipelined::Failed(message) if claimed.len() == 1 => Ok(vec![Outcome::Failed(message)]),
+            Pipelined::Failed(_) => run_isolated(conn.client(), registry, claimed, limits).await,
+        }
+    };
+    match tokio::time::timeout(limits.deadline, run).await {
         Ok(Ok(outcomes)) => {
             conn.set_clean(true);
             outcomes
@@ -137,49 +108,25 @@ pub async fn execute_batch(
     }
 }
 
-/// Whether one pass of a batch finished or must be redone with a savepoint per event.
-enum Pass {
-    Done(Vec<Outcome>),
-    /// An event failed in a pass without savepoints: everything was rolled back.
-    NeedsSavepoints,
-}
-
-/// Runs a batch optimistically first — without savepoints, every event's statements pipelined
-/// on the connection — and only when an event fails, rolls back and redoes the batch one event
-/// at a time with a savepoint each, so that the failure is isolated. Failures are rare; the
-/// common path pays nothing for isolation.
-async fn run_transaction(
-    conn: &mut Conn,
-    registry: &Registry,
-    claimed: &[Claimed],
-    limits: &Limits,
-) -> Result<Vec<Outcome>, tokio_postgres::Error> {
-    if let Pass::Done(outcomes) = run_pass(conn, registry, claimed, limits, false).await? {
-        return Ok(outcomes);
-    }
-    match run_pass(conn, registry, claimed, limits, true).await? {
-        Pass::Done(outcomes) => Ok(outcomes),
-        Pass::NeedsSavepoints => unreachable!("a pass with savepoints isolates every failure"),
-    }
-}
-
-/// What a pass does with one claimed row.
-enum Step {
-    /// Not returned by the lock query: processed by another worker meanwhile.
+/// What a transaction does with one claimed row.
+// One Vec of these per batch, built once: the size of the variants does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Step<'r> {
+    /// Not returned by the lock statements: processed by another worker meanwhile.
     Gone,
-    /// No handler for its type: marked processed with no effect. Holds the row's ctid.
-    Ignore(String),
-    /// Its handler runs; then the row (at the ctid) is marked processed.
-    Run(Handler, InboxEvent, String),
+    /// No handler for its type: marked processed with no effect.
+    Ignore { ctid: String },
+    /// Its handler runs; then the row is marked processed.
+    Run { handler: &'r dyn Handler, event: InboxEvent, ctid: String },
 }
 
-impl Step {
+impl Step<'_> {
     /// The outcome when the step's transaction committed.
     fn outcome(&self) -> Outcome {
         match self {
             Step::Gone => Outcome::AlreadyProcessed,
-            Step::Ignore(_) => Outcome::Ignored,
-            Step::Run(..) => Outcome::Processed,
+            Step::Ignore { .. } => Outcome::Ignored,
+            Step::Run { .. } => Outcome::Processed,
         }
     }
 
@@ -187,36 +134,72 @@ impl Step {
     fn ctid(&self) -> Option<&str> {
         match self {
             Step::Gone => None,
-            Step::Ignore(ctid) | Step::Run(_, _, ctid) => Some(ctid),
+            Step::Ignore { ctid } | Step::Run { ctid, .. } => Some(ctid),
         }
     }
 }
 
-/// A row of the lock statements: its key, its event and its ctid.
-fn locked_row(row: tokio_postgres::Row) -> (InboxKey, (InboxEvent, String)) {
-    let payload: Json<Box<RawValue>> = row.get(4);
-    let event = InboxEvent::new(row.get(0), row.get(1), row.get(2), row.get(3), payload.0);
-    let key = InboxKey {
-        provider: event.provider.clone(),
-        endpoint: event.endpoint.clone(),
-        event_id: event.event_id.clone(),
-    };
-    (key, (event, row.get(5)))
+/// Begins a process transaction: its limits and the claimed rows' locks (one write), then the
+/// lookup by key of rows that moved since their claim (a lease expired meanwhile). Returns the
+/// transaction and a step per claimed row, in order.
+async fn begin<'c, 'r>(
+    client: &'c mut Object,
+    registry: &'r Registry,
+    claimed: &[Claimed],
+    limits: &Limits,
+) -> Result<(Transaction<'c>, Vec<Step<'r>>), tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    let tx_limits = limits.transaction();
+    let (_, rows) = tokio::try_join!(set_limits(&tx, &tx_limits), queue::lock_by_ctid(&tx, claimed))?;
+    let mut locked: HashMap<InboxKey, queue::LockedRow> =
+        rows.into_iter().map(|row| (row.key(), row)).collect();
+    let moved: Vec<&Claimed> = claimed.iter().filter(|c| !locked.contains_key(&c.key)).collect();
+    if !moved.is_empty() {
+        locked.extend(queue::lock_by_key(&tx, &moved).await?.into_iter().map(|row| (row.key(), row)));
+    }
+    let steps = claimed
+        .iter()
+        .map(|c| match locked.remove(&c.key) {
+            None => Step::Gone,
+            Some(row) => match registry.get(&row.event.event_type) {
+                None => Step::Ignore { ctid: row.ctid },
+                Some(handler) => Step::Run { handler, event: row.event, ctid: row.ctid },
+            },
+        })
+        .collect();
+    Ok((tx, steps))
 }
 
-/// What the optimistic pass runs, in the order of the batch: one event with its handler, or every
+/// Ends a transaction that changed rows with COMMIT, one that changed nothing with ROLLBACK.
+async fn finish(tx: Transaction<'_>, changed: bool) -> Result<(), tokio_postgres::Error> {
+    if changed {
+        tx.commit().await
+    } else {
+        tx.rollback().await
+    }
+}
+
+/// How the pipelined pass ended.
+enum Pipelined {
+    /// Committed (or nothing to commit).
+    Done(Vec<Outcome>),
+    /// An event failed: everything was rolled back. The message is the first failure's.
+    Failed(String),
+}
+
+/// What the pipelined pass runs, in the order of the batch: one event with its handler, or every
 /// event of a type that has a set-based handler (two or more of them), at its first event's place.
-enum Unit<'e> {
-    One(Handler, &'e InboxEvent),
-    Set(BatchHandler, Vec<&'e InboxEvent>),
+enum Unit<'s, 'r> {
+    One(&'r dyn Handler, &'s InboxEvent),
+    Set(&'r dyn BatchHandler, Vec<&'s InboxEvent>),
 }
 
-fn units<'e>(registry: &Registry, steps: &'e [Step]) -> Vec<Unit<'e>> {
+fn units<'s, 'r>(registry: &'r Registry, steps: &'s [Step<'r>]) -> Vec<Unit<'s, 'r>> {
     let mut units = Vec::new();
     // Per type with a set-based handler: its unit's index, and the per-event handler.
-    let mut sets: HashMap<&str, (usize, Handler)> = HashMap::new();
+    let mut sets: HashMap<&str, (usize, &'r dyn Handler)> = HashMap::new();
     for step in steps {
-        let Step::Run(handler, event, _) = step else { continue };
+        let Step::Run { handler, event, .. } = step else { continue };
         let Some(batch) = registry.get_batch(&event.event_type) else {
             units.push(Unit::One(*handler, event));
             continue;
@@ -244,135 +227,97 @@ fn units<'e>(registry: &Registry, steps: &'e [Step]) -> Vec<Unit<'e>> {
     units
 }
 
-/// One pass over the batch in a new transaction. Round trips on the optimistic path (no
-/// savepoints): BEGIN; the limits and the row locks (pipelined); every handler's statements and
-/// the processed mark (pipelined: tokio-postgres sends requests polled together in one write, and
-/// the server runs them in order); COMMIT. Events of a type with a set-based handler run as one
-/// set (one statement for `invoice.paid`). A handler needing a second statement (a rare branch)
-/// adds a round trip for the batch, not per event. The savepoint pass runs the per-event
-/// handlers, one event at a time.
-async fn run_pass(
-    conn: &mut Conn,
+/// The pipelined pass. Round trips: BEGIN; the limits and the row locks (one write); every
+/// handler's statements and the processed mark (one write: tokio-postgres sends requests polled
+/// together in one write, and the server runs them in order); COMMIT. Events of a type with a
+/// set-based handler run as one set (one statement for `invoice.paid`). A handler needing a second
+/// statement (a rare branch) adds a round trip for the batch, not per event.
+async fn run_pipelined(
+    client: &mut Object,
     registry: &Registry,
     claimed: &[Claimed],
     limits: &Limits,
-    savepoints: bool,
-) -> Result<Pass, tokio_postgres::Error> {
-    let client = conn.client();
-    let mut tx = client.transaction().await?;
-    let limits_stmt = tx.prepare_cached(store::SET_LIMITS_SQL).await?;
-    let (statement_timeout, lock_timeout, idle_timeout) =
-        (millis(limits.statement_timeout), millis(limits.lock_timeout), millis(limits.idle_timeout));
-    let claimed_ctids: Vec<&str> = claimed.iter().map(|c| c.ctid.as_str()).collect();
-    let limits_params: [&(dyn ToSql + Sync); 3] = [&statement_timeout, &lock_timeout, &idle_timeout];
-    // Unnamed: planned for these rows every time (see the store module's "Plans").
-    let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&claimed_ctids, Type::TEXT_ARRAY)];
-    let (_, rows) = tokio::try_join!(
-        tx.execute(&limits_stmt, &limits_params),
-        tx.query_typed(store::LOCK_BY_CTID_SQL, &lock_params)
-    )?;
-    // Each locked row: its event and its ctid (for the processed mark).
-    let mut locked: HashMap<InboxKey, (InboxEvent, String)> = rows.into_iter().map(locked_row).collect();
-    // Rows that moved since their claim (a lease expired meanwhile): look for them by key.
-    let moved: Vec<&Claimed> = claimed.iter().filter(|c| !locked.contains_key(&c.key)).collect();
-    if !moved.is_empty() {
-        let (providers, endpoints, ids) = store::key_columns(moved.iter().map(|c| &c.key));
-        let params: [(&(dyn ToSql + Sync), Type); 3] =
-            [(&providers, Type::TEXT_ARRAY), (&endpoints, Type::TEXT_ARRAY), (&ids, Type::TEXT_ARRAY)];
-        locked.extend(tx.query_typed(store::LOCK_BY_KEY_SQL, &params).await?.into_iter().map(locked_row));
-    }
-    let steps: Vec<Step> = claimed
-        .iter()
-        .map(|row| match locked.remove(&row.key) {
-            None => Step::Gone,
-            Some((event, ctid)) => match registry.get(&event.event_type) {
-                None => Step::Ignore(ctid),
-                Some(handler) => Step::Run(handler, event, ctid),
-            },
-        })
-        .collect();
-    if !savepoints {
-        let units = units(registry, &steps);
-        let runs = units.iter().map(|unit| {
-            let run = match unit {
-                Unit::One(handler, event) => handler(&tx, event),
-                Unit::Set(handler, events) => handler(&tx, events),
-            };
-            AssertUnwindSafe(run).catch_unwind()
-        });
-        let done: Vec<&str> = steps.iter().filter_map(Step::ctid).collect();
-        let mark_all = async {
-            if done.is_empty() {
-                return Ok(0);
-            }
-            store::mark_processed(&tx, &done).await
+) -> Result<Pipelined, tokio_postgres::Error> {
+    let (tx, steps) = begin(client, registry, claimed, limits).await?;
+    let units = units(registry, &steps);
+    let runs = units.iter().map(|unit| {
+        let run = match unit {
+            Unit::One(handler, event) => handler.handle(&tx, event),
+            Unit::Set(handler, events) => handler.handle_batch(&tx, events),
         };
-        // Handlers first: their first statements are queued before the mark.
-        let (results, marked) = tokio::join!(futures_util::future::join_all(runs), mark_all);
-        let failure = results.into_iter().find_map(|result| match result {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(panic) => Some(format!("handler panicked: {}", panic_message(&panic))),
-        });
-        let Some(failure) = failure else {
-            marked?;
-            if done.is_empty() {
-                tx.rollback().await?;
-            } else {
-                tx.commit().await?;
-            }
-            return Ok(Pass::Done(steps.iter().map(Step::outcome).collect()));
-        };
-        tx.rollback().await?;
-        if claimed.len() > 1 {
-            return Ok(Pass::NeedsSavepoints);
+        AssertUnwindSafe(run).catch_unwind()
+    });
+    let done: Vec<&str> = steps.iter().filter_map(Step::ctid).collect();
+    let mark = async {
+        if done.is_empty() {
+            return Ok(0);
         }
-        // A batch of one needs no savepoint: its rollback isolated the failure already.
-        return Ok(Pass::Done(vec![Outcome::Failed(failure)]));
+        queue::mark_processed(&tx, &done).await
+    };
+    // Handlers first: their first statements are queued before the mark.
+    let (results, marked) = tokio::join!(futures_util::future::join_all(runs), mark);
+    if let Some(failure) = results.into_iter().find_map(failure_message) {
+        tx.rollback().await?;
+        return Ok(Pipelined::Failed(failure));
     }
+    marked?;
+    finish(tx, !done.is_empty()).await?;
+    Ok(Pipelined::Done(steps.iter().map(Step::outcome).collect()))
+}
 
-    let mut outcomes = Vec::with_capacity(claimed.len());
+/// The isolated pass: the per-event handlers one event at a time, each in a savepoint, so a
+/// failing event rolls back alone; the others and their marks commit.
+async fn run_isolated(
+    client: &mut Object,
+    registry: &Registry,
+    claimed: &[Claimed],
+    limits: &Limits,
+) -> Result<Vec<Outcome>, tokio_postgres::Error> {
+    let (mut tx, steps) = begin(client, registry, claimed, limits).await?;
+    let mut outcomes = Vec::with_capacity(steps.len());
     for step in &steps {
-        let Step::Run(handler, event, _) = step else {
+        let Step::Run { handler, event, .. } = step else {
             outcomes.push(step.outcome());
             continue;
         };
         let savepoint = tx.savepoint("event").await?;
-        let result = AssertUnwindSafe(handler(&savepoint, event)).catch_unwind().await;
-        outcomes.push(match result {
-            Ok(Ok(())) => {
+        let result = AssertUnwindSafe(handler.handle(&savepoint, event)).catch_unwind().await;
+        outcomes.push(match failure_message(result) {
+            None => {
                 savepoint.commit().await?;
                 Outcome::Processed
             }
-            Ok(Err(e)) => {
+            Some(message) => {
                 savepoint.rollback().await?;
-                Outcome::Failed(e.to_string())
-            }
-            Err(panic) => {
-                savepoint.rollback().await?;
-                Outcome::Failed(format!("handler panicked: {}", panic_message(&panic)))
+                Outcome::Failed(message)
             }
         });
     }
     let done: Vec<&str> = steps
         .iter()
         .zip(&outcomes)
-        .filter(|(_, o)| matches!(o, Outcome::Processed | Outcome::Ignored))
+        .filter(|(_, outcome)| matches!(outcome, Outcome::Processed | Outcome::Ignored))
         .filter_map(|(step, _)| step.ctid())
         .collect();
-    if done.is_empty() {
-        tx.rollback().await?;
-    } else {
-        store::mark_processed(&tx, &done).await?;
-        tx.commit().await?;
+    if !done.is_empty() {
+        queue::mark_processed(&tx, &done).await?;
     }
-    Ok(Pass::Done(outcomes))
+    finish(tx, !done.is_empty()).await?;
+    Ok(outcomes)
 }
 
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".to_owned())
+/// The message of a handler's failure or panic; None when it succeeded.
+fn failure_message(result: std::thread::Result<Result<(), HandlerError>>) -> Option<String> {
+    match result {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(panic) => Some(format!(
+            "handler panicked: {}",
+            panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".to_owned())
+        )),
+    }
 }

@@ -1,25 +1,114 @@
-//! `inbox-worker`: the claim/process loop and the operator commands.
+//! `inbox-worker`: applies the inbox's events to the business tables exactly once, and the
+//! operator commands. The stock binary runs the invoice handlers; a team's own binary runs its
+//! own, with every subcommand (`run`, `replay`, the operator commands, `migrate`), in a few lines:
 //!
-//! Roles (as in River): the [`producer`] claims rows, the [`executor`] runs one event and
-//! returns an [`executor::Outcome`], the [`completer`] writes failures; [`runner`] wires them
-//! with the wake-up [`listener`], metrics and the shutdown signal.
+//! ```no_run
+//! use inbox_worker::prelude::*;
+//!
+//! /// Counts new customers in a table of the team's own (created by its migration below).
+//! struct RecordCustomer {
+//!     source: String,
+//! }
+//!
+//! impl Handler for RecordCustomer {
+//!     fn handle<'a>(&'a self, tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+//!         Box::pin(async move {
+//!             let customer = event.object_str("id")?;
+//!             tx.execute(
+//!                 "INSERT INTO seen_customers (id, source) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING",
+//!                 &[&customer, &self.source],
+//!             )
+//!             .await?;
+//!             Ok(())
+//!         })
+//!     }
+//! }
+//!
+//! fn main() -> std::process::ExitCode {
+//!     let mut registry = Registry::with_invoice_handlers(); // or Registry::new()
+//!     registry
+//!         .register("customer.created", RecordCustomer { source: "stripe".into() })
+//!         .migrations(Migrations::new("app_schema_history").add(
+//!             "V1__seen_customers",
+//!             "CREATE TABLE seen_customers (id text PRIMARY KEY, source text NOT NULL)",
+//!         ));
+//!     inbox_worker::main_with(registry)
+//! }
+//! ```
+//! `examples/custom-worker` is a complete one, with its tests; `docs/handlers.md` says how to
+//! write a handler.
+//!
+//! # Inside
+//! `run` is River's division of labour: the [`runner`] wires the `producer` (claims rows,
+//! transaction 1), the `executor` (runs a batch and marks it processed, transaction 2) and the
+//! `completer` (records failures, transaction 3), with the wake-up `listener`, the `metrics`
+//! and the shutdown signal. Each operator command is a module of `ops`. Every SQL statement on
+//! the inbox is in `inbox_domain::inbox::store`.
 
-pub mod cli;
+use std::process::ExitCode;
+
+use inbox_domain::handler::Registry;
+
+mod cli;
+#[doc(hidden)]
 pub mod completer;
+#[doc(hidden)]
+pub mod conn;
+#[doc(hidden)]
 pub mod executor;
-pub mod listener;
+mod listener;
+#[doc(hidden)]
 pub mod metrics;
-pub mod migrate;
-pub mod ops;
+mod ops;
+#[doc(hidden)]
 pub mod producer;
+#[doc(hidden)]
 pub mod runner;
 
-pub use cli::Cli;
+/// What a handler needs, and what a worker binary registers.
+pub mod prelude {
+    pub use deadpool_postgres::Transaction;
+    pub use inbox_domain::handler::{BatchHandler, Handler, HandlerError, HandlerFuture, Registry};
+    pub use inbox_domain::inbox::event::{InboxEvent, RelatedObject};
+    pub use inbox_domain::inbox::schema::Migrations;
+}
 
-use anyhow::Context as _;
+/// The whole worker binary with `registry`'s handlers and migrations: parses the command line
+/// (every subcommand), sets up logging, runs the command and returns the exit status — 0 on
+/// success, 1 on a runtime failure (the cause on stderr), 2 on a usage error. `run` and `replay`
+/// apply the same handlers; `migrate` applies the inbox's migrations, then the registry's.
+pub fn main_with(registry: Registry) -> ExitCode {
+    let name = program_name();
+    let cli = cli::Cli::parse_as(&name);
+    inbox_domain::telemetry::init_tracing(cli.global.log_format);
+    // One thread: a worker waits on PostgreSQL, and a multi-threaded scheduler's wake-ups cost
+    // more CPU per event than they save (docs/performance.md).
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli, registry)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
 
-/// Runs the parsed command line.
-pub async fn run(cli: Cli) -> anyhow::Result<()> {
+/// The binary's file name, for help and error messages.
+fn program_name() -> String {
+    std::env::args_os()
+        .next()
+        .and_then(|arg0| std::path::Path::new(&arg0).file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "inbox-worker".to_owned())
+}
+
+/// Runs the parsed command.
+async fn dispatch(cli: cli::Cli, registry: Registry) -> anyhow::Result<()> {
     let url = cli
         .global
         .database_url
@@ -28,31 +117,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let database = inbox_domain::db::parse_database_url(url)?;
     let max_attempts = cli.global.max_attempts;
     match cli.command {
-        cli::Command::Migrate => migrate::run(database).await,
         cli::Command::Run(args) => {
             let settings = runner::Settings::from_args(database, max_attempts, &args)?;
-            runner::run(
-                settings,
-                inbox_domain::handlers::Registry::with_invoice_handlers(),
-                runner::os_signals(),
-            )
-            .await
+            runner::run(settings, registry, runner::os_signals()).await
         }
-        command => {
-            let (mut client, connection) =
-                database.connect(tokio_postgres::NoTls).await.context("cannot connect to the database")?;
-            let connection = tokio::spawn(connection);
-            let result = match command {
-                cli::Command::Stats(a) => ops::stats(&mut client, max_attempts, &a).await,
-                cli::Command::NeedsReview(a) => ops::needs_review(&mut client, max_attempts, &a).await,
-                cli::Command::Requeue(a) => ops::requeue(&mut client, max_attempts, &a).await,
-                cli::Command::Replay(a) => ops::replay(&database, &a).await,
-                cli::Command::Purge(a) => ops::purge(&mut client, &a).await,
-                cli::Command::Migrate | cli::Command::Run(_) => unreachable!("handled above"),
-            };
-            drop(client);
-            let _ = connection.await;
-            result
-        }
+        command => ops::execute(command, database, max_attempts, &registry).await,
     }
 }

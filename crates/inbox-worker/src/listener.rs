@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use inbox_domain::store::LISTEN_SQL;
+use inbox_domain::inbox::store::queue::LISTEN_SQL;
 use tokio::sync::Notify;
 use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;

@@ -13,6 +13,37 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// How an event (or a claimed row) ended, as counted in `inbox_worker_events_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventOutcome {
+    /// Its handler's effect and the processed mark committed together.
+    Processed,
+    /// No handler for its type: marked processed with no effect.
+    Ignored,
+    /// Its attempt failed; it is retried after a backoff.
+    Failed,
+    /// Its attempt failed at the attempt limit: parked until an operator requeues it.
+    Parked,
+    /// Another worker processed it meanwhile (this worker's lease had expired): nothing done.
+    AlreadyProcessed,
+    /// Claimed but not started before shutdown: returned to the queue with its attempt.
+    HandedBack,
+}
+
+impl EventOutcome {
+    /// The metric label and log field value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventOutcome::Processed => "processed",
+            EventOutcome::Ignored => "ignored",
+            EventOutcome::Failed => "failed",
+            EventOutcome::Parked => "parked",
+            EventOutcome::AlreadyProcessed => "already_processed",
+            EventOutcome::HandedBack => "handed_back",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabel {
     outcome: &'static str,
@@ -45,7 +76,7 @@ impl Metrics {
         let processing_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         registry.register(
             "inbox_worker_processing_seconds",
-            "Time to run one event's process transaction",
+            "Time to run one process transaction: a batch of up to --batch-size events (inbox_worker_claim_batch_size)",
             processing_seconds.clone(),
         );
         let receive_to_processed_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
@@ -100,14 +131,13 @@ impl Metrics {
         }
     }
 
-    pub fn event(&self, outcome: &'static str) {
-        self.events.get_or_create(&OutcomeLabel { outcome }).inc();
+    /// Counts `n` events that ended with `outcome`.
+    pub fn events(&self, outcome: EventOutcome, n: u64) {
+        self.events.get_or_create(&OutcomeLabel { outcome: outcome.as_str() }).inc_by(n);
     }
 
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        inbox_domain::telemetry::render_metrics(&self.registry)
     }
 }
 
@@ -133,7 +163,7 @@ pub fn serve(
                     let body = metrics.render();
                     async move {
                         HttpResponse::Ok()
-                            .content_type("application/openmetrics-text; version=1.0.0; charset=utf-8")
+                            .content_type(inbox_domain::telemetry::METRICS_CONTENT_TYPE)
                             .body(body)
                     }
                 }),

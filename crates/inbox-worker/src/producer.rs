@@ -5,16 +5,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use deadpool_postgres::Pool;
-use inbox_domain::handlers::Registry;
-use inbox_domain::store::{self, Claimed};
+use inbox_domain::db::describe_db_error;
+use inbox_domain::handler::Registry;
+use inbox_domain::inbox::store::queue::{self, Claimed, Failure};
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument as _;
 
 use crate::completer::{self, FailureRecord};
-use crate::executor::{self, Conn, Limits, Outcome};
-use crate::metrics::Metrics;
+use crate::conn::Conn;
+use crate::executor::{self, Limits, Outcome};
+use crate::metrics::{EventOutcome, Metrics};
 
 /// What every event task shares.
 pub struct Context {
@@ -104,9 +105,9 @@ pub async fn run(
 async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
-        let rows = store::claim(&*conn.client(), ctx.max_attempts, want as i64, ctx.lease)
+        let rows = queue::claim(conn.client(), ctx.max_attempts, want as i64, ctx.lease)
             .await
-            .map_err(|e| inbox_domain::handlers::describe_db_error(&e))?;
+            .map_err(|e| describe_db_error(&e))?;
         conn.set_clean(true);
         Ok(rows)
     };
@@ -118,7 +119,7 @@ async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
 }
 
 /// Runs one claimed batch: hands it back if shutdown began before it started, else executes it
-/// in one transaction and records each event's outcome.
+/// in one transaction, records its failures in one more, and counts and logs each event's outcome.
 async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
     let mut conn = match Conn::get(&ctx.pool).await {
         Ok(c) => c,
@@ -136,10 +137,12 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
                 tracing::warn!(rows = claimed.len(), "handing back timed out: the leases will expire");
                 0
             });
-        for _ in 0..handed {
-            ctx.metrics.event("handed_back");
-        }
-        tracing::info!(outcome = "handed_back", rows = handed, "claimed rows handed back at shutdown");
+        ctx.metrics.events(EventOutcome::HandedBack, handed);
+        tracing::info!(
+            outcome = EventOutcome::HandedBack.as_str(),
+            rows = handed,
+            "claimed rows handed back at shutdown"
+        );
         return;
     }
     let n = claimed.len() as i64;
@@ -148,8 +151,27 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
     let outcomes = executor::execute_batch(&mut conn, &ctx.registry, &claimed, &ctx.limits).await;
     let elapsed = started.elapsed();
     ctx.metrics.in_flight.dec_by(n);
-    let mut conn = Some(conn);
-    for (row, outcome) in claimed.iter().zip(outcomes) {
+    ctx.metrics.processing_seconds.observe(elapsed.as_secs_f64());
+
+    let failures: Vec<Failure<'_>> = claimed
+        .iter()
+        .zip(&outcomes)
+        .filter_map(|(claimed, outcome)| match outcome {
+            Outcome::Failed(error) => Some(Failure { claimed, error }),
+            _ => None,
+        })
+        .collect();
+    let mut records = if failures.is_empty() {
+        Vec::new()
+    } else {
+        let record = completer::record_failures(&ctx.pool, Some(conn), &failures, ctx.max_attempts);
+        tokio::time::timeout(ctx.db_timeout, record)
+            .await
+            .unwrap_or_else(|_| vec![FailureRecord::NotRecorded; failures.len()])
+    }
+    .into_iter();
+
+    for (row, outcome) in claimed.iter().zip(&outcomes) {
         let key = &row.key;
         let span = tracing::info_span!(
             "event",
@@ -159,47 +181,44 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
             event_type = %row.event_type,
             attempt = row.attempts,
         );
-        ctx.metrics.processing_seconds.observe(elapsed.as_secs_f64());
+        let _entered = span.enter();
         match outcome {
             Outcome::Processed | Outcome::Ignored => {
+                let counted = if *outcome == Outcome::Processed {
+                    EventOutcome::Processed
+                } else {
+                    EventOutcome::Ignored
+                };
                 let waited = SystemTime::now().duration_since(row.received_at).unwrap_or_default();
                 ctx.metrics.receive_to_processed_seconds.observe(waited.as_secs_f64());
-                ctx.metrics.event(outcome.label());
-                span.in_scope(|| {
-                    tracing::info!(
-                        outcome = outcome.label(),
-                        batch = n,
-                        elapsed_ms = elapsed.as_secs_f64() * 1e3,
-                        "event done"
-                    )
-                });
+                ctx.metrics.events(counted, 1);
+                tracing::info!(
+                    outcome = counted.as_str(),
+                    batch = n,
+                    elapsed_ms = elapsed.as_secs_f64() * 1e3,
+                    "event done"
+                );
             }
             Outcome::AlreadyProcessed => {
-                ctx.metrics.event(outcome.label());
-                span.in_scope(|| {
-                    tracing::info!(outcome = outcome.label(), "event already processed by another worker")
-                });
+                ctx.metrics.events(EventOutcome::AlreadyProcessed, 1);
+                tracing::info!(
+                    outcome = EventOutcome::AlreadyProcessed.as_str(),
+                    "event already processed by another worker"
+                );
             }
             Outcome::Failed(error) => {
-                let record = tokio::time::timeout(
-                    ctx.db_timeout,
-                    completer::record_failure(&ctx.pool, conn.take(), row, &error, ctx.max_attempts)
-                        .instrument(span.clone()),
-                )
-                .await
-                .unwrap_or(FailureRecord::NotRecorded);
-                let label = match record {
-                    FailureRecord::Parked => "parked",
-                    _ => "failed",
-                };
-                ctx.metrics.event(label);
-                span.in_scope(|| {
-                    if record == FailureRecord::Parked {
-                        tracing::warn!(outcome = label, %error, "event failed at the attempt limit: parked for review");
-                    } else {
-                        tracing::warn!(outcome = label, %error, record = ?record, "event failed");
-                    }
-                });
+                let record = records.next().unwrap_or(FailureRecord::NotRecorded);
+                if record == FailureRecord::Parked {
+                    ctx.metrics.events(EventOutcome::Parked, 1);
+                    tracing::warn!(
+                        outcome = EventOutcome::Parked.as_str(),
+                        %error,
+                        "event failed at the attempt limit: parked for review"
+                    );
+                } else {
+                    ctx.metrics.events(EventOutcome::Failed, 1);
+                    tracing::warn!(outcome = EventOutcome::Failed.as_str(), %error, record = ?record, "event failed");
+                }
             }
         }
     }

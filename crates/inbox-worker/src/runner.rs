@@ -1,5 +1,5 @@
-//! `inbox-worker run`: wires the producer, executors, completer, wake-up listener, metrics and
-//! the shutdown signal.
+//! `run`: wires the producer, the executors, the completer, the wake-up listener, the metrics
+//! and the shutdown signal, and drains at shutdown.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use inbox_domain::db::{build_pool, check_reachable, PoolOptions};
-use inbox_domain::handlers::Registry;
+use inbox_domain::db::{build_pool, check_reachable, describe_db_error, describe_pool_error, PoolOptions};
+use inbox_domain::handler::Registry;
+use inbox_domain::inbox::store::admin;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -130,7 +131,9 @@ where
     let pool = build_pool(
         settings.database.clone(),
         &PoolOptions {
-            // One per event in flight, plus claims, failure records and gauges.
+            // One per batch in flight — as many as --concurrency when rows arrive one at a time
+            // and each claim takes one — plus the claims and the gauges. A batch's failures are
+            // recorded on its own connection when it is clean, else on a fresh one in its place.
             max_size: settings.concurrency + 2,
             timeout: db_timeout,
             application_name: "inbox-worker",
@@ -218,8 +221,8 @@ async fn refresh_gauges(
 ) {
     loop {
         let refresh = async {
-            let client = pool.get().await.map_err(|e| inbox_domain::db::describe_pool_error(&e))?;
-            crate::ops::queue_gauges(&**client, max_attempts).await.map_err(|e| e.to_string())
+            let client = pool.get().await.map_err(|e| describe_pool_error(&e))?;
+            admin::queue_gauges(&**client, max_attempts).await.map_err(|e| describe_db_error(&e))
         };
         match tokio::time::timeout(metrics::GAUGE_INTERVAL, refresh).await {
             Ok(Ok(g)) => {

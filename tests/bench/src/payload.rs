@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use inbox_domain::signature::sign_header;
+use inbox_domain::inbox::signature::sign_header;
 
 /// Placeholders in the template, replaced per event (also by SQL `replace()` when seeding).
 pub const EVT: &str = "@EVT@";

@@ -435,7 +435,7 @@ pub async fn explain_claim(client: &mut Client) -> serde_json::Value {
 
 async fn explain_claim_inner(client: &mut Client) -> anyhow::Result<serde_json::Value> {
     // $1 max attempts, $2 batch size, $3 lease in seconds (as the worker binds them).
-    let mut sql = inbox_domain::store::CLAIM_SQL.to_owned();
+    let mut sql = inbox_domain::inbox::store::queue::CLAIM_SQL.to_owned();
     for (param, value) in [("$3", "120.0"), ("$2", "32"), ("$1", "10")] {
         sql = sql.replace(param, value);
     }

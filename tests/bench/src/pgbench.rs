@@ -7,7 +7,7 @@ use serde_json::json;
 use crate::util::CpuSample;
 use crate::Ctx;
 
-/// The statement of `inbox_domain::store::INSERT_EVENT_SQL`, with pgbench variables: a unique
+/// The statement of `inbox_domain::inbox::store::ingest::INSERT_EVENTS_SQL`, with pgbench variables: a unique
 /// event id per transaction and the body from `-D payload=…` (sent with every execution).
 const SCRIPT: &str = "\\set r random(1, 1000000000000)
 INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)

@@ -110,7 +110,7 @@ async fn ensure_template(admin: &Client) -> String {
         config.dbname(&wip);
         let (mut client, connection) = config.connect(NoTls).await.unwrap();
         let conn = tokio::spawn(connection);
-        inbox_domain::schema::migrate(&mut client).await.expect("migrating the template");
+        inbox_domain::inbox::schema::migrate(&mut client, None).await.expect("migrating the template");
         drop(client);
         let _ = conn.await;
         admin.batch_execute(&format!("ALTER DATABASE \"{wip}\" RENAME TO \"{name}\"")).await.unwrap();

@@ -1,6 +1,6 @@
 //! Realistic Stripe events, signed like Stripe signs them.
 
-use inbox_domain::signature::sign_header;
+use inbox_domain::inbox::signature::sign_header;
 
 /// The secrets the test endpoints use (two on `billing`: a secret roll in progress).
 pub const SECRET_A: &str = "whsec_test_SecretAaaaaaaaaaaaaaaaaaaaaa";

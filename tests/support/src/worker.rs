@@ -3,9 +3,11 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use inbox_domain::handlers::Registry;
-use inbox_domain::store::Claimed;
-use inbox_worker::executor::{self, Conn, Limits, Outcome};
+use inbox_domain::handler::Registry;
+use inbox_domain::inbox::store::queue::Claimed;
+use inbox_domain::inbox::store::queue::Failure;
+use inbox_worker::conn::Conn;
+use inbox_worker::executor::{self, Limits, Outcome};
 use inbox_worker::runner::{self, Settings};
 use tokio_util::sync::CancellationToken;
 
@@ -85,7 +87,7 @@ pub async fn claim(
     max_attempts: i32,
 ) -> Vec<Claimed> {
     let client = pool.get().await.unwrap();
-    inbox_domain::store::claim(&client, max_attempts, n, lease).await.unwrap()
+    inbox_domain::inbox::store::queue::claim(&client, max_attempts, n, lease).await.unwrap()
 }
 
 /// Executes one claimed row and, on failure, records it (as the worker does).
@@ -98,7 +100,7 @@ pub async fn execute(
     let mut conn = Conn::get(pool).await.unwrap();
     let outcome = executor::execute(&mut conn, registry, claimed, limits).await;
     if let Outcome::Failed(error) = &outcome {
-        inbox_worker::completer::record_failure(pool, Some(conn), claimed, error, 10).await;
+        inbox_worker::completer::record_failures(pool, Some(conn), &[Failure { claimed, error }], 10).await;
     }
     outcome
 }

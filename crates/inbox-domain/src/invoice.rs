@@ -1,17 +1,19 @@
-//! The invoice domain (seed 5.2, completed): a forward-only status machine, one ledger booking
-//! per invoice, an outbox row only for a new booking, and reconciliation items for payments on
-//! voided invoices.
+//! The invoice business: a handler set like any application's own, registered by
+//! [`Registry::with_invoice_handlers`]. A forward-only status machine, one ledger booking per
+//! invoice, an outbox row only for a new booking, and reconciliation items for payments on voided
+//! invoices.
 //!
 //! Status ranks: `draft < open < uncollectible < paid`, `void` terminal, and `paid` is never
 //! voided (a payment is not undone by a late `invoice.voided`). Every event moves the invoice to
 //! the higher of its current and its own status, creating it when absent, so any delivery order
 //! of a lifecycle ends in the same state.
 
-use deadpool_postgres::Transaction;
-
 use std::collections::HashSet;
 
-use super::{HandlerError, HandlerFuture, InboxEvent, Registry};
+use deadpool_postgres::Transaction;
+
+use crate::handler::{HandlerError, HandlerFuture, Registry};
+use crate::inbox::event::InboxEvent;
 
 /// Registers the five invoice handlers.
 pub fn register(registry: &mut Registry) {
@@ -45,7 +47,7 @@ ON CONFLICT (id) DO UPDATE
 
 /// `invoice.paid`, one statement for one event or a whole batch (`$1..$3`: arrays of invoice id,
 /// customer id and amount, in the events' order): upsert each invoice to `paid` unless it is
-/// already `paid` or `void` (seed 5.2), and book those it moved — ledger once (UNIQUE (invoice_id,
+/// already `paid` or `void`, and book those it moved — ledger once (UNIQUE (invoice_id,
 /// kind) is the second line of defence against the same payment sent as two Event objects), the
 /// outbox row only for a new booking — so status, ledger and outbox cannot disagree. An invoice
 /// named by several events is paid and booked once, with the first event's amount, as running

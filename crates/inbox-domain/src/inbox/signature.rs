@@ -223,16 +223,6 @@ impl Verifier {
     pub fn verify_now(&self, header: Option<&[u8]>, body: &[u8]) -> Result<i64, SignatureError> {
         self.verify(header, body, unix_now())
     }
-
-    /// The timestamp tolerance.
-    pub fn tolerance(&self) -> Duration {
-        self.tolerance
-    }
-
-    /// How many secrets the endpoint has.
-    pub fn secret_count(&self) -> usize {
-        self.keys.len()
-    }
 }
 
 /// Builds a valid `Stripe-Signature` header value `t={timestamp},v1={hex}` for `body`, signed

@@ -1,0 +1,267 @@
+//! Handlers: the business effect of an event type, applied inside the worker's process
+//! transaction, and the [`Registry`] that maps event types to them.
+//!
+//! A handler applies one event's effect inside the transaction that also marks the inbox row
+//! processed: the effect and the mark commit together or not at all. Handlers must be idempotent
+//! and order-independent (Stripe redelivers, sends the same fact as two Event objects, and never
+//! promises order): write them as forward-only state transitions guarded by unique business keys,
+//! and never order by the event's `created`. `docs/handlers.md` says how, and what a handler must
+//! never do (commit, sleep, call the network).
+//!
+//! A handler is a value implementing [`Handler`], so it can hold state (configuration, a client
+//! used outside the transaction, counters); a plain function with the same signature is one too:
+//! ```
+//! use inbox_domain::handler::{Handler, HandlerFuture, Registry};
+//! use inbox_domain::inbox::event::InboxEvent;
+//! use deadpool_postgres::Transaction;
+//!
+//! fn customer_deleted<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+//!     Box::pin(async move {
+//!         let id = event.object_str("id")?;
+//!         tx.execute("UPDATE customers SET deleted = true WHERE id = $1", &[&id]).await?;
+//!         Ok(())
+//!     })
+//! }
+//!
+//! /// Tags each new customer with a plan configured at start-up.
+//! struct CustomerCreated {
+//!     default_plan: String,
+//! }
+//!
+//! impl Handler for CustomerCreated {
+//!     fn handle<'a>(&'a self, tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+//!         Box::pin(async move {
+//!             let id = event.object_str("id")?;
+//!             tx.execute(
+//!                 "INSERT INTO customers (id, plan) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING",
+//!                 &[&id, &self.default_plan],
+//!             )
+//!             .await?;
+//!             Ok(())
+//!         })
+//!     }
+//! }
+//!
+//! let mut registry = Registry::with_invoice_handlers();
+//! registry
+//!     .register("customer.deleted", customer_deleted)
+//!     .register("customer.created", CustomerCreated { default_plan: "free".into() });
+//! assert!(registry.get("customer.created").is_some());
+//! ```
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use deadpool_postgres::Transaction;
+
+use crate::db::describe_db_error;
+use crate::inbox::event::InboxEvent;
+use crate::inbox::schema::Migrations;
+
+/// Why a handler failed. The worker records the message in `last_error`, retries with backoff,
+/// and parks the row at the attempt limit.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// The payload lacks something the handler needs: retrying will not help, but a person can
+    /// look at it (the row parks) and `requeue` once a handler change accepts it.
+    #[error("payload: {0}")]
+    Payload(String),
+    /// A database error, including statement/lock timeouts.
+    #[error("database: {}", describe_db_error(.0))]
+    Database(#[from] tokio_postgres::Error),
+    /// Anything else a handler wants to report.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// What a handler returns.
+pub type HandlerFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send + 'a>>;
+
+/// Applies one event type's business effect inside the worker's process transaction.
+///
+/// `&self`: a handler may hold state (configuration, a client for work done outside the
+/// transaction, counters), shared by every event in flight. Functions with the same signature
+/// are handlers too.
+pub trait Handler: Send + Sync + 'static {
+    /// Applies `event` inside `tx`. Must not commit, roll back, sleep or call the network: the
+    /// worker commits the effect together with the processed mark, and the row locks are held
+    /// until then. An `Err` (or a panic) rolls the effect back and is retried with backoff.
+    fn handle<'a>(&'a self, tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a>;
+}
+
+impl<F> Handler for F
+where
+    F: for<'a, 'b> Fn(&'a Transaction<'b>, &'a InboxEvent) -> HandlerFuture<'a> + Send + Sync + 'static,
+{
+    fn handle<'a>(&'a self, tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
+        self(tx, event)
+    }
+}
+
+/// A set-based handler: applies several events of one type inside `tx`, with the same effect as
+/// the type's [`Handler`] run on each of them in order — typically one statement for the whole
+/// set instead of one per event. All or nothing: on `Err` the worker rolls the batch back and
+/// runs every event again with the per-event handler, each in its own savepoint, so a batch
+/// handler may refuse anything unusual (a bad payload, an unexpected state) and leave it to the
+/// per-event path.
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Applies `events`, all of this handler's type, inside `tx`.
+    fn handle_batch<'a>(&'a self, tx: &'a Transaction<'_>, events: &'a [&'a InboxEvent])
+        -> HandlerFuture<'a>;
+}
+
+impl<F> BatchHandler for F
+where
+    F: for<'a, 'b> Fn(&'a Transaction<'b>, &'a [&'a InboxEvent]) -> HandlerFuture<'a> + Send + Sync + 'static,
+{
+    fn handle_batch<'a>(
+        &'a self,
+        tx: &'a Transaction<'_>,
+        events: &'a [&'a InboxEvent],
+    ) -> HandlerFuture<'a> {
+        self(tx, events)
+    }
+}
+
+/// What a worker binary applies: handlers by event type, and the migrations of the tables they
+/// write when those are not the inbox's own. Types without a handler are processed with no
+/// effect ("ignored"). The same registry serves `run` and `replay`, and its migrations run after
+/// the inbox's in `migrate`.
+#[derive(Clone, Default)]
+pub struct Registry {
+    handlers: HashMap<String, Arc<dyn Handler>>,
+    /// Optional set-based handlers, used for two or more events of a type in one batch.
+    batch_handlers: HashMap<String, Arc<dyn BatchHandler>>,
+    /// The application's own migrations, applied by `migrate` after the inbox's.
+    migrations: Option<Migrations>,
+}
+
+impl Registry {
+    /// A registry without handlers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The invoice state machine of [`crate::invoice`].
+    pub fn with_invoice_handlers() -> Self {
+        let mut registry = Self::new();
+        crate::invoice::register(&mut registry);
+        registry
+    }
+
+    /// Registers (or replaces) the handler of `event_type`; replacing it drops the type's
+    /// set-based handler, if any.
+    pub fn register(&mut self, event_type: &str, handler: impl Handler) -> &mut Self {
+        self.handlers.insert(event_type.to_owned(), Arc::new(handler));
+        self.batch_handlers.remove(event_type);
+        self
+    }
+
+    /// The handler of `event_type`, if any.
+    pub fn get(&self, event_type: &str) -> Option<&dyn Handler> {
+        self.handlers.get(event_type).map(|h| &**h)
+    }
+
+    /// Registers (or replaces) the set-based handler of `event_type`, which must have a per-event
+    /// handler too (the fallback, and what `replay` runs). Replacing the per-event handler later
+    /// drops the set-based one, so the two never disagree.
+    ///
+    /// # Panics
+    /// When `event_type` has no per-event handler: a programming error, caught at start-up.
+    pub fn register_batch(&mut self, event_type: &str, handler: impl BatchHandler) -> &mut Self {
+        assert!(
+            self.handlers.contains_key(event_type),
+            "register the per-event handler of {event_type} before its batch handler"
+        );
+        self.batch_handlers.insert(event_type.to_owned(), Arc::new(handler));
+        self
+    }
+
+    /// The set-based handler of `event_type`, if any.
+    pub fn get_batch(&self, event_type: &str) -> Option<&dyn BatchHandler> {
+        self.batch_handlers.get(event_type).map(|h| &**h)
+    }
+
+    /// The registered event types, sorted.
+    pub fn event_types(&self) -> Vec<&str> {
+        let mut types: Vec<&str> = self.handlers.keys().map(String::as_str).collect();
+        types.sort_unstable();
+        types
+    }
+
+    /// Sets the migrations of the application's own tables, which `migrate` applies after the
+    /// inbox's, with their own history table (see [`Migrations`]).
+    pub fn migrations(&mut self, migrations: Migrations) -> &mut Self {
+        self.migrations = Some(migrations);
+        self
+    }
+
+    /// The application's own migrations, if any.
+    pub fn app_migrations(&self) -> Option<&Migrations> {
+        self.migrations.as_ref()
+    }
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("event_types", &self.event_types())
+            .field("migrations", &self.migrations)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    fn other<'a>(_: &'a Transaction<'_>, _: &'a InboxEvent) -> HandlerFuture<'a> {
+        Box::pin(async { Ok(()) })
+    }
+
+    #[test]
+    fn replacing_a_handler_drops_its_set_based_handler() {
+        let mut registry = Registry::with_invoice_handlers();
+        assert!(registry.get_batch("invoice.paid").is_some());
+        registry.register("invoice.paid", other);
+        assert!(registry.get("invoice.paid").is_some());
+        assert!(
+            registry.get_batch("invoice.paid").is_none(),
+            "a set-based handler must not outlive its per-event one"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "before its batch handler")]
+    fn a_set_based_handler_needs_a_per_event_handler() {
+        fn batch<'a>(_: &'a Transaction<'_>, _: &'a [&'a InboxEvent]) -> HandlerFuture<'a> {
+            Box::pin(async { Ok(()) })
+        }
+        Registry::new().register_batch("customer.deleted", batch);
+    }
+
+    #[test]
+    fn a_stateful_handler_and_a_function_register_side_by_side_and_clones_share_state() {
+        struct Counting(Arc<AtomicUsize>);
+        impl Handler for Counting {
+            fn handle<'a>(&'a self, _: &'a Transaction<'_>, _: &'a InboxEvent) -> HandlerFuture<'a> {
+                self.0.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(()) })
+            }
+        }
+        let seen = Arc::new(AtomicUsize::new(0));
+        let mut registry = Registry::new();
+        registry.register("customer.created", Counting(seen.clone())).register("customer.deleted", other);
+        assert_eq!(registry.event_types(), ["customer.created", "customer.deleted"]);
+        let copy = registry.clone();
+        assert!(std::ptr::addr_eq(
+            registry.get("customer.created").unwrap(),
+            copy.get("customer.created").unwrap()
+        ));
+        assert_eq!(seen.load(Ordering::SeqCst), 0);
+    }
+}

@@ -1,0 +1,396 @@
+//! What operators read and change, and the queue gauges the workers export.
+//!
+//! The operator statements work on the rows of one provider (`stripe`, the only provider this
+//! service stores); [`QUEUE_GAUGES_SQL`] covers the whole queue, as the claim does. Every change
+//! an operator makes is recorded with [`INSERT_AUDIT_SQL`].
+
+use std::time::SystemTime;
+
+use serde::Serialize;
+use tokio_postgres::types::Json;
+use tokio_postgres::GenericClient;
+
+use crate::PROVIDER_STRIPE;
+
+// ------------------------------------------------------------------------------------ stats
+
+/// The queue's health in one statement: the grand total (`total = true`, `event_type` NULL) and
+/// one row per event type (`GROUPING SETS`). `$1` provider, `$2` max_attempts. Only rows that
+/// are unprocessed or were processed in the last hour are read into the groups, so an event type
+/// shows only when it has something to report; finding the recently processed rows still reads
+/// the table (there is no index on `processed_at`): this is for operators, not for a scrape
+/// every few seconds — the worker's metrics use [`QUEUE_GAUGES_SQL`].
+pub const STATS_SQL: &str = concat!(
+    "\
+SELECT GROUPING(event_type) = 1 AS total,
+       event_type,
+       count(*) FILTER (WHERE processed_at IS NULL) AS unprocessed,
+       count(*) FILTER (WHERE ",
+    ready!("$2"),
+    ") AS ready,
+       count(*) FILTER (WHERE processed_at IS NULL AND attempts < $2
+                          AND available_at > now() AND last_error IS NULL) AS leased,
+       count(*) FILTER (WHERE processed_at IS NULL AND attempts < $2
+                          AND available_at > now() AND last_error IS NOT NULL) AS retry_wait,
+       count(*) FILTER (WHERE ",
+    parked!("$2"),
+    ") AS needs_review,
+       extract(epoch FROM now() - min(received_at) FILTER (WHERE processed_at IS NULL))::float8
+           AS oldest_unprocessed_age_seconds,
+       count(*) FILTER (WHERE processed_at >= now() - interval '1 hour') AS processed_last_hour
+  FROM webhook_inbox
+ WHERE provider = $1
+   AND (processed_at IS NULL OR processed_at >= now() - interval '1 hour')
+ GROUP BY GROUPING SETS ((), (event_type))
+ ORDER BY total DESC, event_type"
+);
+
+/// What `stats` reports (also its JSON document). Ready, leased, retry_wait and needs_review
+/// partition the unprocessed rows (see the store's "The states of a row").
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Stats {
+    pub unprocessed: i64,
+    pub ready: i64,
+    /// In flight: leased by a worker, no failure recorded.
+    pub leased: i64,
+    /// Waiting for the backoff after a failure.
+    pub retry_wait: i64,
+    /// Parked: `attempts >= max_attempts`.
+    pub needs_review: i64,
+    /// Age of the oldest unprocessed row (since it was received); None when there is none.
+    pub oldest_unprocessed_age_seconds: Option<f64>,
+    pub processed_last_hour: i64,
+    pub by_event_type: Vec<EventTypeStats>,
+}
+
+/// `stats` of one event type.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EventTypeStats {
+    pub event_type: String,
+    pub unprocessed: i64,
+    pub needs_review: i64,
+    pub processed_last_hour: i64,
+}
+
+/// Runs [`STATS_SQL`].
+pub async fn stats(
+    client: &(impl GenericClient + Sync),
+    max_attempts: i32,
+) -> Result<Stats, tokio_postgres::Error> {
+    let rows = client.query(STATS_SQL, &[&PROVIDER_STRIPE, &max_attempts]).await?;
+    let mut stats = Stats {
+        unprocessed: 0,
+        ready: 0,
+        leased: 0,
+        retry_wait: 0,
+        needs_review: 0,
+        oldest_unprocessed_age_seconds: None,
+        processed_last_hour: 0,
+        by_event_type: Vec::new(),
+    };
+    for row in rows {
+        if row.get::<_, bool>("total") {
+            stats.unprocessed = row.get("unprocessed");
+            stats.ready = row.get("ready");
+            stats.leased = row.get("leased");
+            stats.retry_wait = row.get("retry_wait");
+            stats.needs_review = row.get("needs_review");
+            stats.oldest_unprocessed_age_seconds = row.get("oldest_unprocessed_age_seconds");
+            stats.processed_last_hour = row.get("processed_last_hour");
+        } else {
+            stats.by_event_type.push(EventTypeStats {
+                event_type: row.get("event_type"),
+                unprocessed: row.get("unprocessed"),
+                needs_review: row.get("needs_review"),
+                processed_last_hour: row.get("processed_last_hour"),
+            });
+        }
+    }
+    Ok(stats)
+}
+
+/// The gauges the worker exports, cheap enough for every few seconds: it reads only unprocessed
+/// rows (`WHERE processed_at IS NULL`, the predicate of the partial index
+/// `webhook_inbox_unprocessed`), never the processed history. All providers, as the claim.
+/// `$1` max_attempts.
+pub const QUEUE_GAUGES_SQL: &str = concat!(
+    "\
+SELECT count(*) AS unprocessed,
+       COALESCE(extract(epoch FROM now() - min(received_at))::float8, 0) AS oldest_unprocessed_age_seconds,
+       count(*) FILTER (WHERE ",
+    parked!("$1"),
+    ") AS needs_review,
+       count(*) FILTER (WHERE ",
+    ready!("$1"),
+    ") AS ready
+  FROM webhook_inbox
+ WHERE processed_at IS NULL"
+);
+
+/// The queue gauges of [`QUEUE_GAUGES_SQL`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueGauges {
+    pub unprocessed: i64,
+    /// Seconds since the oldest unprocessed row was received; 0 when there is none.
+    pub oldest_unprocessed_age_seconds: f64,
+    /// Parked rows (`attempts >= max_attempts`).
+    pub needs_review: i64,
+    pub ready: i64,
+}
+
+/// Runs [`QUEUE_GAUGES_SQL`].
+pub async fn queue_gauges(
+    client: &(impl GenericClient + Sync),
+    max_attempts: i32,
+) -> Result<QueueGauges, tokio_postgres::Error> {
+    let row = client.query_one(QUEUE_GAUGES_SQL, &[&max_attempts]).await?;
+    Ok(QueueGauges {
+        unprocessed: row.get("unprocessed"),
+        oldest_unprocessed_age_seconds: row.get("oldest_unprocessed_age_seconds"),
+        needs_review: row.get("needs_review"),
+        ready: row.get("ready"),
+    })
+}
+
+// ----------------------------------------------------------------------------- parked rows
+
+/// The parked rows, oldest first (`$1` provider, `$2` max_attempts, `$3` limit), `received_at`
+/// as RFC 3339 text in UTC. The ORDER BY names `w.received_at`, the column, not the text alias.
+pub const PARKED_ROWS_SQL: &str = concat!(
+    "\
+SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.last_error,
+       to_char(w.received_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS received_at
+  FROM webhook_inbox AS w
+ WHERE w.provider = $1 AND ",
+    parked!("$2"),
+    "
+ ORDER BY w.received_at, w.endpoint, w.event_id
+ LIMIT $3"
+);
+
+/// A parked row, as `needs-review` lists it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ParkedRow {
+    pub provider: String,
+    pub endpoint: String,
+    pub event_id: String,
+    pub event_type: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    /// RFC 3339, UTC.
+    pub received_at: String,
+}
+
+/// Runs [`PARKED_ROWS_SQL`].
+pub async fn parked_rows(
+    client: &(impl GenericClient + Sync),
+    max_attempts: i32,
+    limit: i64,
+) -> Result<Vec<ParkedRow>, tokio_postgres::Error> {
+    let rows = client.query(PARKED_ROWS_SQL, &[&PROVIDER_STRIPE, &max_attempts, &limit]).await?;
+    Ok(rows
+        .iter()
+        .map(|r| ParkedRow {
+            provider: r.get("provider"),
+            endpoint: r.get("endpoint"),
+            event_id: r.get("event_id"),
+            event_type: r.get("event_type"),
+            attempts: r.get("attempts"),
+            last_error: r.get("last_error"),
+            received_at: r.get("received_at"),
+        })
+        .collect())
+}
+
+// ------------------------------------------------------------------- one event (requeue, replay)
+
+/// Locks the rows of one event id: every endpoint's, or only `$3`'s when not NULL (`$1`
+/// provider, `$2` event_id). `processed_at` comes as RFC 3339 text in UTC, NULL when unprocessed;
+/// `ctid` (text) locates the locked row for [`super::queue::mark_processed`]. FOR UPDATE: a worker
+/// processing the row holds its lock until it commits, so we see the outcome (bounded by the
+/// transaction's lock_timeout); nothing moves the row under us afterwards.
+pub const LOCK_EVENT_SQL: &str = "\
+SELECT endpoint, event_type, attempts, payload,
+       to_char(processed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS processed_at,
+       ctid::text
+  FROM webhook_inbox
+ WHERE provider = $1 AND event_id = $2 AND ($3::text IS NULL OR endpoint = $3)
+ ORDER BY endpoint
+   FOR UPDATE";
+
+/// A row of [`LOCK_EVENT_SQL`].
+#[derive(Debug, Clone)]
+pub struct EventRow {
+    pub endpoint: String,
+    pub event_type: String,
+    pub attempts: i32,
+    /// The stored payload as JSON text.
+    pub payload: Box<serde_json::value::RawValue>,
+    /// RFC 3339, UTC; None while unprocessed.
+    pub processed_at: Option<String>,
+    /// Where the locked row is, while the transaction holds the lock.
+    pub ctid: String,
+}
+
+/// Runs [`LOCK_EVENT_SQL`]: the rows of `event_id` (of `endpoint`, when given), locked.
+pub async fn lock_event(
+    tx: &(impl GenericClient + Sync),
+    event_id: &str,
+    endpoint: Option<&str>,
+) -> Result<Vec<EventRow>, tokio_postgres::Error> {
+    let rows = tx.query(LOCK_EVENT_SQL, &[&PROVIDER_STRIPE, &event_id, &endpoint]).await?;
+    Ok(rows
+        .iter()
+        .map(|r| EventRow {
+            endpoint: r.get("endpoint"),
+            event_type: r.get("event_type"),
+            attempts: r.get("attempts"),
+            payload: r.get::<_, Json<_>>("payload").0,
+            processed_at: r.get("processed_at"),
+            ctid: r.get("ctid"),
+        })
+        .collect())
+}
+
+// ---------------------------------------------------------------------------------- requeue
+
+/// The parked rows `requeue --all` takes, locked, oldest first (a stable lock order, so two
+/// concurrent requeues cannot deadlock): `$1` provider, `$2` max_attempts, `$3` event type or
+/// NULL, `$4` a pattern `last_error` must contain (LIKE-escaped by the caller) or NULL.
+pub const LOCK_PARKED_SQL: &str = concat!(
+    "\
+SELECT endpoint, event_id, event_type, attempts
+  FROM webhook_inbox
+ WHERE provider = $1 AND ",
+    parked!("$2"),
+    "
+   AND ($3::text IS NULL OR event_type = $3)
+   AND ($4::text IS NULL OR last_error ILIKE '%' || $4 || '%')
+ ORDER BY received_at, endpoint, event_id
+   FOR UPDATE"
+);
+
+/// A row `requeue` takes: `attempts` is the count before the requeue.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequeueRow {
+    pub endpoint: String,
+    pub event_id: String,
+    pub event_type: String,
+    pub attempts: i32,
+}
+
+/// Runs [`LOCK_PARKED_SQL`].
+pub async fn lock_parked(
+    tx: &(impl GenericClient + Sync),
+    max_attempts: i32,
+    event_type: Option<&str>,
+    error_pattern: Option<&str>,
+) -> Result<Vec<RequeueRow>, tokio_postgres::Error> {
+    let rows =
+        tx.query(LOCK_PARKED_SQL, &[&PROVIDER_STRIPE, &max_attempts, &event_type, &error_pattern]).await?;
+    Ok(rows
+        .iter()
+        .map(|r| RequeueRow {
+            endpoint: r.get("endpoint"),
+            event_id: r.get("event_id"),
+            event_type: r.get("event_type"),
+            attempts: r.get("attempts"),
+        })
+        .collect())
+}
+
+/// Puts rows back in the queue: attempts 0, available now; `last_error` is kept for history
+/// (the next failure or the processing overwrites it). `$1` provider, `$2` endpoints and `$3`
+/// event ids (parallel arrays: the rows locked before). Only unprocessed rows.
+pub const REQUEUE_SQL: &str = "\
+UPDATE webhook_inbox
+   SET attempts = 0, available_at = now()
+ WHERE provider = $1
+   AND (endpoint, event_id) IN (SELECT * FROM unnest($2::text[], $3::text[]))
+   AND processed_at IS NULL";
+
+/// Runs [`REQUEUE_SQL`] on `rows`; returns how many changed.
+pub async fn requeue(
+    tx: &(impl GenericClient + Sync),
+    rows: &[RequeueRow],
+) -> Result<u64, tokio_postgres::Error> {
+    let endpoints: Vec<&str> = rows.iter().map(|r| r.endpoint.as_str()).collect();
+    let event_ids: Vec<&str> = rows.iter().map(|r| r.event_id.as_str()).collect();
+    tx.execute(REQUEUE_SQL, &[&PROVIDER_STRIPE, &endpoints, &event_ids]).await
+}
+
+// ------------------------------------------------------------------------------------ purge
+
+/// The purge cutoff, computed once so every batch agrees: `now() - $1 seconds`, and the same as
+/// RFC 3339 text in UTC (for the output and the audit record).
+pub const PURGE_CUTOFF_SQL: &str = "\
+SELECT c.cutoff, to_char(c.cutoff AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
+  FROM (SELECT now() - make_interval(secs => $1) AS cutoff) AS c";
+
+/// Runs [`PURGE_CUTOFF_SQL`]: the cutoff `older_than_seconds` before now, and as text.
+pub async fn purge_cutoff(
+    client: &(impl GenericClient + Sync),
+    older_than_seconds: f64,
+) -> Result<(SystemTime, String), tokio_postgres::Error> {
+    let row = client.query_one(PURGE_CUTOFF_SQL, &[&older_than_seconds]).await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// How many rows a purge would delete (`--dry-run`): processed before `$2` (`$1` provider).
+pub const PURGE_COUNT_SQL: &str = "\
+SELECT count(*)
+  FROM webhook_inbox
+ WHERE provider = $1 AND processed_at IS NOT NULL AND processed_at < $2";
+
+/// Runs [`PURGE_COUNT_SQL`].
+pub async fn purge_count(
+    client: &(impl GenericClient + Sync),
+    cutoff: SystemTime,
+) -> Result<i64, tokio_postgres::Error> {
+    Ok(client.query_one(PURGE_COUNT_SQL, &[&PROVIDER_STRIPE, &cutoff]).await?.get(0))
+}
+
+/// One purge batch, one autocommit statement (its own transaction, so a long purge holds no
+/// locks for long and leaves vacuum free to clean behind it): up to `$3` rows processed before
+/// `$2` (`$1` provider). Unprocessed rows are never touched. SKIP LOCKED: a row someone else
+/// holds (a replay) is left for the next purge.
+pub const PURGE_BATCH_SQL: &str = "\
+DELETE FROM webhook_inbox
+ WHERE (provider, endpoint, event_id) IN (
+        SELECT provider, endpoint, event_id
+          FROM webhook_inbox
+         WHERE provider = $1 AND processed_at IS NOT NULL AND processed_at < $2
+         LIMIT $3
+           FOR UPDATE SKIP LOCKED)";
+
+/// Runs [`PURGE_BATCH_SQL`]; returns how many rows it deleted (0: nothing left).
+pub async fn purge_batch(
+    client: &(impl GenericClient + Sync),
+    cutoff: SystemTime,
+    batch_size: i64,
+) -> Result<u64, tokio_postgres::Error> {
+    client.execute(PURGE_BATCH_SQL, &[&PROVIDER_STRIPE, &cutoff, &batch_size]).await
+}
+
+// ------------------------------------------------------------------------------------ audit
+
+/// One audit record: who (`$1` actor) did what (`$2` action: requeue, replay, purge) to which
+/// rows (`$3` target, jsonb: the key or the filters) and how many rows it changed (`$4`).
+/// Returns the record's id.
+pub const INSERT_AUDIT_SQL: &str = "\
+INSERT INTO operator_audit (actor, action, target, affected)
+VALUES ($1, $2, $3, $4)
+RETURNING id";
+
+/// Runs [`INSERT_AUDIT_SQL`]; returns the audit record's id.
+pub async fn insert_audit(
+    client: &(impl GenericClient + Sync),
+    actor: &str,
+    action: &str,
+    target: &serde_json::Value,
+    affected: u64,
+) -> Result<i64, tokio_postgres::Error> {
+    let affected = i32::try_from(affected).unwrap_or(i32::MAX);
+    let row = client.query_one(INSERT_AUDIT_SQL, &[&actor, &action, target, &affected]).await?;
+    Ok(row.get(0))
+}

@@ -1,0 +1,157 @@
+//! The store: every SQL statement on `webhook_inbox` (and on `operator_audit`, which records what
+//! operators did to it), each a documented constant next to the function that runs it and the row
+//! type it returns. Whoever runs a statement — the ingest, the worker, an operator command — finds
+//! it here, so a change of the table's meaning is made in one place. The business tables belong to
+//! the handlers that write them.
+//!
+//! * [`ingest`]: storing verified events (group commit) and waking the workers;
+//! * [`queue`]: the worker's three transactions — claim, lock and mark processed, record failures
+//!   (and hand back at shutdown);
+//! * [`admin`]: what operators read and change — statistics, parked rows, requeue, replay, purge,
+//!   the audit trail — and the queue gauges.
+//!
+//! # The states of a row
+//! Every unprocessed row is in exactly one of these, for an attempt limit `max_attempts`:
+//! * *ready*: not parked and `available_at <= now()` — the next claim may take it (`ready!`);
+//! * *leased*: not parked, `available_at > now()`, `last_error IS NULL` — a worker holds it;
+//! * *retry_wait*: not parked, `available_at > now()`, `last_error IS NOT NULL` — waiting for its
+//!   backoff after a failure (a row claimed again after a failure keeps its `last_error` until it
+//!   is processed, so it counts here, not as leased, while in flight);
+//! * *parked* (needs review): `attempts >= max_attempts` — never claimed again until an operator
+//!   requeues it (`parked!`).
+//!
+//! The ready and parked conditions are written once, as the macros below, and spliced into every
+//! statement that needs them (the claim, the statistics, the gauges, the operator commands). The
+//! KEDA scaler's query in `deploy/k8s` is the `ready!` count too; a test holds it to this text.
+//!
+//! # Plans
+//! The statements the worker runs on the queue ([`queue`]) are sent unnamed (`query_typed`), so
+//! PostgreSQL plans each execution for its arguments and the table as it is now. A prepared
+//! statement gets a generic plan cached after five executions, and one cached while the queue was
+//! small stays when the queue grows: a worker started on an empty queue claimed with a bitmap scan
+//! and sort of every ready row and locked and marked with scans of the partial index, so under a
+//! backlog each batch read the whole backlog and the worker fell further behind (end-to-end p99
+//! of 5 to 12 s in the benchmark). Planning these statements once per batch costs far less than
+//! that risk. The ingest's insert keeps its prepared statement: its plan has no choice to make.
+
+use std::time::Duration;
+
+use tokio_postgres::types::{ToSql, Type};
+
+// The two conditions, defined before the submodules so that their statements can splice them.
+
+/// The condition of a *ready* row — unprocessed, available now, below the attempt limit — with
+/// `$max` the placeholder (or literal) of the limit. Expands to a string literal, for `concat!`.
+macro_rules! ready {
+    ($max:literal) => {
+        concat!("processed_at IS NULL AND available_at <= now() AND attempts < ", $max)
+    };
+}
+
+/// The condition of a *parked* row — unprocessed, at or above the attempt limit — with `$max` the
+/// placeholder (or literal) of the limit. Expands to a string literal, for `concat!`.
+macro_rules! parked {
+    ($max:literal) => {
+        concat!("processed_at IS NULL AND attempts >= ", $max)
+    };
+}
+
+pub mod admin;
+pub mod ingest;
+pub mod queue;
+
+/// The identity of an inbox row.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct InboxKey {
+    pub provider: String,
+    pub endpoint: String,
+    pub event_id: String,
+}
+
+/// Splits keys into the three column arrays the batch statements take.
+pub(crate) fn key_columns<'a>(
+    keys: impl Iterator<Item = &'a InboxKey>,
+) -> (Vec<&'a str>, Vec<&'a str>, Vec<&'a str>) {
+    let mut columns = (Vec::new(), Vec::new(), Vec::new());
+    for key in keys {
+        columns.0.push(key.provider.as_str());
+        columns.1.push(key.endpoint.as_str());
+        columns.2.push(key.event_id.as_str());
+    }
+    columns
+}
+
+/// Bounds of a transaction that works on inbox rows (the worker's process transaction, an
+/// operator's), transaction-local: they end with it and never leak into the next use of the
+/// connection. `$1` statement_timeout, `$2` lock_timeout, `$3`
+/// idle_in_transaction_session_timeout (a client that stalls mid-transaction is cut off and its
+/// row locks released).
+pub const SET_LIMITS_SQL: &str = "\
+SELECT set_config('statement_timeout', $1, true),
+       set_config('lock_timeout', $2, true),
+       set_config('idle_in_transaction_session_timeout', $3, true)";
+
+/// The transaction-local limits [`SET_LIMITS_SQL`] sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransactionLimits {
+    /// `statement_timeout` of every statement, handlers' included.
+    pub statement_timeout: Duration,
+    /// `lock_timeout`, below the statement timeout, for row locks and handlers' locks.
+    pub lock_timeout: Duration,
+    /// `idle_in_transaction_session_timeout`: a client stalled mid-transaction loses its session.
+    pub idle_timeout: Duration,
+}
+
+/// Runs [`SET_LIMITS_SQL`], unnamed: no prepare round trip, so it is sent in one write with the
+/// statement that follows it (the worker's row locks).
+pub async fn set_limits(
+    tx: &tokio_postgres::Transaction<'_>,
+    limits: &TransactionLimits,
+) -> Result<(), tokio_postgres::Error> {
+    let millis = |d: Duration| format!("{}ms", d.as_millis().max(1));
+    let (statement, lock, idle) =
+        (millis(limits.statement_timeout), millis(limits.lock_timeout), millis(limits.idle_timeout));
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&statement, Type::TEXT), (&lock, Type::TEXT), (&idle, Type::TEXT)];
+    tx.query_typed(SET_LIMITS_SQL, &params).await?;
+    Ok(())
+}
+
+/// The longest `last_error` stored.
+pub const MAX_ERROR_LEN: usize = 1024;
+
+/// Truncates an error message to [`MAX_ERROR_LEN`] bytes on a character boundary.
+pub fn truncate_error(message: &str) -> &str {
+    if message.len() <= MAX_ERROR_LEN {
+        return message;
+    }
+    let mut end = MAX_ERROR_LEN;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    &message[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_truncated_on_a_character_boundary() {
+        assert_eq!(truncate_error("short"), "short");
+        let long = "é".repeat(MAX_ERROR_LEN);
+        let cut = truncate_error(&long);
+        assert!(cut.len() <= MAX_ERROR_LEN && cut.len() >= MAX_ERROR_LEN - 1);
+        assert!(cut.chars().all(|c| c == 'é'));
+    }
+
+    #[test]
+    fn the_keda_scaler_counts_the_ready_rows_as_the_claim_defines_them() {
+        let manifest = include_str!("../../../../../deploy/k8s/base/worker-scaledobject.yaml");
+        let query = concat!("SELECT count(*) FROM webhook_inbox WHERE ", ready!("10"));
+        assert!(
+            manifest.contains(&format!("query: \"{query}\"")),
+            "deploy/k8s/base/worker-scaledobject.yaml must query exactly `{query}`"
+        );
+    }
+}

@@ -1,0 +1,249 @@
+//! The worker's statements, one group per transaction: claim (1), lock, re-check and mark
+//! processed (2), record failures (3), and hand back claimed rows at shutdown. All are sent
+//! unnamed (see the store's "Plans").
+
+use tokio_postgres::types::{Json, ToSql, Type};
+use tokio_postgres::{Client, Row, Transaction};
+
+use super::{key_columns, truncate_error, InboxKey};
+use crate::inbox::event::InboxEvent;
+
+/// A row a worker claimed: its key, and the values the claim wrote, which identify this claim
+/// (a later claim of the same row by another worker has a higher `attempts`).
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub key: InboxKey,
+    pub event_type: String,
+    /// The attempt this claim counted (1 for the first).
+    pub attempts: i32,
+    pub received_at: std::time::SystemTime,
+    /// Where the claimed version of the row is (`ctid`, as text): the process transaction finds
+    /// the row there by a TID scan, unless the row has moved since (see [`LOCK_BY_CTID_SQL`]).
+    pub ctid: String,
+}
+
+/// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, available,
+/// below the attempt limit `$1` — skipping rows other workers hold, and for each counts the
+/// attempt and leases it for `$3` seconds. Runs as one autocommit statement, so the attempt is
+/// committed before any work starts: a worker that dies mid-event still used up an attempt, and a
+/// poison row stops at the limit.
+///
+/// Oldest availability first; `ORDER BY` inside the locking subquery keeps the scan on the
+/// partial index `webhook_inbox_unprocessed`. The update finds the locked rows by `ctid` (a TID
+/// scan) instead of a second primary-key lookup per row: a locked row cannot move. A row another
+/// session updated and committed after this statement's snapshot comes out of the lock as its
+/// new version, which that snapshot cannot see: it is left unclaimed this time and stays ready.
+pub const CLAIM_SQL: &str = concat!(
+    "\
+WITH picked AS (
+    SELECT ctid
+      FROM webhook_inbox
+     WHERE ",
+    ready!("$1"),
+    "
+     ORDER BY available_at
+     LIMIT $2
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE webhook_inbox AS w
+   SET attempts = w.attempts + 1,
+       available_at = now() + make_interval(secs => $3)
+  FROM picked
+ WHERE w.ctid = picked.ctid
+RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at, w.ctid::text"
+);
+
+/// Runs [`CLAIM_SQL`].
+pub async fn claim(
+    client: &Client,
+    max_attempts: i32,
+    limit: i64,
+    lease: std::time::Duration,
+) -> Result<Vec<Claimed>, tokio_postgres::Error> {
+    let lease = lease.as_secs_f64();
+    let rows = client
+        .query_typed(CLAIM_SQL, &[(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8)])
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| Claimed {
+            key: InboxKey { provider: r.get(0), endpoint: r.get(1), event_id: r.get(2) },
+            event_type: r.get(3),
+            attempts: r.get(4),
+            received_at: r.get(5),
+            ctid: r.get(6),
+        })
+        .collect())
+}
+
+/// Locks the claimed rows for processing and re-checks they are still unprocessed (`$1`: the
+/// claims' `ctid`s, as text). Deliberately without SKIP LOCKED: another worker's claim may hold a
+/// row for an instant, and skipping would leave it until the lease expires; the wait is bounded by
+/// lock_timeout. Rows in a stable order, so two transactions that share rows (possible only after
+/// a lease expired) lock them in the same order instead of deadlocking. Returns each row's
+/// current `ctid` (as text), valid while this transaction holds the lock: [`MARK_PROCESSED_SQL`]
+/// uses it.
+///
+/// By `ctid`: a TID scan of the batch's rows whatever the queue's size. A claimed version another
+/// transaction updated (and committed) since is not visible here and comes back missing:
+/// [`LOCK_BY_KEY_SQL`] looks for those rows by key.
+pub const LOCK_BY_CTID_SQL: &str = "\
+SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
+  FROM webhook_inbox AS w
+ WHERE w.ctid = ANY($1::text[]::tid[])
+   AND w.processed_at IS NULL
+ ORDER BY w.provider, w.endpoint, w.event_id
+   FOR UPDATE";
+
+/// [`LOCK_BY_CTID_SQL`] by key (`$1..$3`: arrays of provider, endpoint, event_id), for the rare
+/// claims whose row moved since: the lease expired and another worker claimed the row (we may
+/// still process it first; its processing then finds it done), or processed it (the row is
+/// missing from the result too, and we do nothing with it).
+pub const LOCK_BY_KEY_SQL: &str = "\
+SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
+  FROM webhook_inbox AS w
+  JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(provider, endpoint, event_id)
+       ON (w.provider, w.endpoint, w.event_id) = (k.provider, k.endpoint, k.event_id)
+ WHERE w.processed_at IS NULL
+ ORDER BY w.provider, w.endpoint, w.event_id
+   FOR UPDATE OF w";
+
+/// A row the process transaction locked, still unprocessed: its event, and where it is.
+#[derive(Debug)]
+pub struct LockedRow {
+    pub event: InboxEvent,
+    /// The row's `ctid` (as text) while this transaction holds its lock, for [`mark_processed`].
+    pub ctid: String,
+}
+
+impl LockedRow {
+    fn from_row(row: Row) -> LockedRow {
+        let payload: Json<Box<serde_json::value::RawValue>> = row.get(4);
+        LockedRow {
+            event: InboxEvent::new(row.get(0), row.get(1), row.get(2), row.get(3), payload.0),
+            ctid: row.get(5),
+        }
+    }
+
+    /// The row's key.
+    pub fn key(&self) -> InboxKey {
+        InboxKey {
+            provider: self.event.provider.clone(),
+            endpoint: self.event.endpoint.clone(),
+            event_id: self.event.event_id.clone(),
+        }
+    }
+}
+
+/// Runs [`LOCK_BY_CTID_SQL`] for the claims.
+pub async fn lock_by_ctid(
+    tx: &Transaction<'_>,
+    claimed: &[Claimed],
+) -> Result<Vec<LockedRow>, tokio_postgres::Error> {
+    let ctids: Vec<&str> = claimed.iter().map(|c| c.ctid.as_str()).collect();
+    let params: [(&(dyn ToSql + Sync), Type); 1] = [(&ctids, Type::TEXT_ARRAY)];
+    Ok(tx.query_typed(LOCK_BY_CTID_SQL, &params).await?.into_iter().map(LockedRow::from_row).collect())
+}
+
+/// Runs [`LOCK_BY_KEY_SQL`] for the claims.
+pub async fn lock_by_key(
+    tx: &Transaction<'_>,
+    claimed: &[&Claimed],
+) -> Result<Vec<LockedRow>, tokio_postgres::Error> {
+    let (providers, endpoints, ids) = key_columns(claimed.iter().map(|c| &c.key));
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&providers, Type::TEXT_ARRAY), (&endpoints, Type::TEXT_ARRAY), (&ids, Type::TEXT_ARRAY)];
+    Ok(tx.query_typed(LOCK_BY_KEY_SQL, &params).await?.into_iter().map(LockedRow::from_row).collect())
+}
+
+/// Marks rows processed in the handlers' transaction, so each effect and its mark commit together
+/// or not at all (the worker's, and an operator's replay). `$1`: the rows' `ctid`s (text) as a
+/// lock statement returned them in this same transaction — the rows are locked since, so they
+/// are still there (a TID scan instead of a primary-key lookup per row). `processed_at = now()`
+/// also restarts a replayed row's retention.
+pub const MARK_PROCESSED_SQL: &str = "\
+UPDATE webhook_inbox
+   SET processed_at = now(), last_error = NULL
+ WHERE ctid = ANY($1::text[]::tid[])";
+
+/// Runs [`MARK_PROCESSED_SQL`] for the rows at `ctids`.
+pub async fn mark_processed(tx: &Transaction<'_>, ctids: &[&str]) -> Result<u64, tokio_postgres::Error> {
+    tx.execute_typed(MARK_PROCESSED_SQL, &[(&ctids, Type::TEXT_ARRAY)]).await
+}
+
+/// Fail (transaction 3, after the process transaction rolled back), for every failed event of a
+/// batch at once: records each error and moves the row to `now() + least(300, 2^attempts) *
+/// random()` seconds (full jitter). Only while the row is unprocessed and still carries this
+/// worker's claim (`attempts` as the claim left it): a row another worker finished, or claimed
+/// again after this worker's lease expired, is left to that worker. Arrays `$1..$3` key, `$4`
+/// the claims' attempts, `$5` the errors. Returns the rows recorded with their attempts, so the
+/// caller can tell which are now parked.
+pub const RECORD_FAILURES_SQL: &str = "\
+UPDATE webhook_inbox AS w
+   SET last_error = f.error,
+       available_at = now() + make_interval(secs => least(300, 2 ^ w.attempts) * random())
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::text[])
+       AS f(provider, endpoint, event_id, attempts, error)
+ WHERE (w.provider, w.endpoint, w.event_id) = (f.provider, f.endpoint, f.event_id)
+   AND w.processed_at IS NULL
+   AND w.attempts = f.attempts
+RETURNING w.provider, w.endpoint, w.event_id, w.attempts";
+
+/// One failed event of a batch: its claim and the error to record (truncated to
+/// [`super::MAX_ERROR_LEN`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Failure<'a> {
+    pub claimed: &'a Claimed,
+    pub error: &'a str,
+}
+
+/// Runs [`RECORD_FAILURES_SQL`]; returns the keys recorded with the rows' attempts. A failure
+/// missing from the result was not recorded: its row was processed, or claimed again, meanwhile.
+pub async fn record_failures(
+    client: &Client,
+    failures: &[Failure<'_>],
+) -> Result<Vec<(InboxKey, i32)>, tokio_postgres::Error> {
+    let (providers, endpoints, ids) = key_columns(failures.iter().map(|f| &f.claimed.key));
+    let attempts: Vec<i32> = failures.iter().map(|f| f.claimed.attempts).collect();
+    let errors: Vec<&str> = failures.iter().map(|f| truncate_error(f.error)).collect();
+    let params: [(&(dyn ToSql + Sync), Type); 5] = [
+        (&providers, Type::TEXT_ARRAY),
+        (&endpoints, Type::TEXT_ARRAY),
+        (&ids, Type::TEXT_ARRAY),
+        (&attempts, Type::INT4_ARRAY),
+        (&errors, Type::TEXT_ARRAY),
+    ];
+    let rows = client.query_typed(RECORD_FAILURES_SQL, &params).await?;
+    Ok(rows
+        .iter()
+        .map(|r| (InboxKey { provider: r.get(0), endpoint: r.get(1), event_id: r.get(2) }, r.get(3)))
+        .collect())
+}
+
+/// Hands back rows this worker claimed but never started (shutdown): each claim's attempt is
+/// returned and the row is available at once. Only where the row still carries this claim
+/// (`attempts` as the claim left it, unprocessed): if the lease expired and another worker
+/// claimed it, nothing. Arrays `$1..$3` key, `$4` the claims' attempts.
+pub const HAND_BACK_SQL: &str = "\
+UPDATE webhook_inbox AS w
+   SET attempts = w.attempts - 1, available_at = now()
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[]) AS c(provider, endpoint, event_id, attempts)
+ WHERE (w.provider, w.endpoint, w.event_id) = (c.provider, c.endpoint, c.event_id)
+   AND w.processed_at IS NULL
+   AND w.attempts = c.attempts";
+
+/// Runs [`HAND_BACK_SQL`]; returns how many rows were handed back.
+pub async fn hand_back(client: &Client, claimed: &[Claimed]) -> Result<u64, tokio_postgres::Error> {
+    let (providers, endpoints, ids) = key_columns(claimed.iter().map(|c| &c.key));
+    let attempts: Vec<i32> = claimed.iter().map(|c| c.attempts).collect();
+    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&providers, Type::TEXT_ARRAY),
+        (&endpoints, Type::TEXT_ARRAY),
+        (&ids, Type::TEXT_ARRAY),
+        (&attempts, Type::INT4_ARRAY),
+    ];
+    client.execute_typed(HAND_BACK_SQL, &params).await
+}
+
+/// What workers LISTEN on; the ingest sends [`super::ingest::NOTIFY_SQL`].
+pub const LISTEN_SQL: &str = "LISTEN webhook_inbox";

@@ -1,0 +1,59 @@
+//! Logs and metrics, as both binaries emit them: `tracing` to stderr (JSON lines in production,
+//! text on a terminal), and Prometheus metrics rendered from an explicit registry (no global
+//! state).
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+
+/// Log output format (`--log-format`, `LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+impl LogFormat {
+    /// `text` on a terminal, else `json` (what a log collector wants).
+    pub fn detect() -> Self {
+        if std::io::stderr().is_terminal() {
+            LogFormat::Text
+        } else {
+            LogFormat::Json
+        }
+    }
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "json" => Ok(LogFormat::Json),
+            "text" => Ok(LogFormat::Text),
+            _ => Err("expected `json` or `text`".to_owned()),
+        }
+    }
+}
+
+/// Installs the `tracing` subscriber: `RUST_LOG` filters (default `info`), logs go to stderr.
+pub fn init_tracing(format: Option<LogFormat>) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // try_init: a second call (tests building several apps in one process) keeps the first.
+    let _ = match format.unwrap_or_else(LogFormat::detect) {
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// The content type of the `/metrics` answers: OpenMetrics text, which Prometheus scrapes
+/// natively.
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The exposition text of every metric in `registry`.
+pub fn render_metrics(registry: &prometheus_client::registry::Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, registry);
+    out
+}

@@ -1,0 +1,116 @@
+//! The operator commands, one module each: `migrate`, `stats`, `needs-review`, `requeue`,
+//! `replay`, `purge`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
+//! the store (`inbox_domain::inbox::store::admin`) and presents the result with [`output`]: a table
+//! on stdout, or one JSON document with `--json`. A refusal is an error saying why (the binary
+//! prints `<name>: error: …` and exits 1).
+//!
+//! Every change an operator makes (requeue, replay, purge) writes one `operator_audit` row — for
+//! requeue and replay in the same transaction as the change, so the audit and the change commit
+//! together or not at all. `--dry-run` changes nothing and writes no audit.
+
+pub mod migrate;
+pub mod needs_review;
+pub mod output;
+pub mod purge;
+pub mod replay;
+pub mod requeue;
+pub mod stats;
+
+use std::time::Duration;
+
+use clap::Args;
+use deadpool_postgres::Object;
+use inbox_domain::db::{build_pool, describe_db_error, describe_pool_error, PoolOptions};
+use inbox_domain::handler::Registry;
+use inbox_domain::inbox::store::admin::{self, EventRow};
+use inbox_domain::inbox::store::TransactionLimits;
+
+use crate::cli::Command;
+
+/// The `application_name` of an operator command's connection.
+pub const APPLICATION_NAME: &str = "inbox-worker-ops";
+
+/// Bounds of an operator transaction. A worker holds a row lock for at most its statement
+/// timeout while processing; an operator command fails rather than hang behind something stuck
+/// (lock_timeout), and replay runs handlers (statement_timeout).
+pub const LIMITS: TransactionLimits = TransactionLimits {
+    statement_timeout: Duration::from_secs(60),
+    lock_timeout: Duration::from_secs(10),
+    idle_timeout: Duration::from_secs(60),
+};
+
+/// Who is acting, for `operator_audit`.
+#[derive(Debug, Args, Clone)]
+pub struct ActorArgs {
+    /// Recorded in operator_audit [default: $USER].
+    #[arg(long, env = "USER", hide_env_values = false, default_value = "unknown")]
+    pub actor: String,
+}
+
+/// Runs an operator command over one connection. `registry` is the binary's: `replay` runs its
+/// handlers and `migrate` applies its migrations.
+pub async fn execute(
+    command: Command,
+    database: tokio_postgres::Config,
+    max_attempts: i32,
+    registry: &Registry,
+) -> anyhow::Result<()> {
+    let mut conn = connect(database).await?;
+    match command {
+        Command::Migrate => migrate::run(&mut conn, registry).await,
+        Command::Stats(args) => stats::run(&**conn, max_attempts, &args).await,
+        Command::NeedsReview(args) => needs_review::run(&**conn, max_attempts, &args).await,
+        Command::Requeue(args) => requeue::run(&mut conn, max_attempts, &args).await,
+        Command::Replay(args) => replay::run(&mut conn, registry, &args).await,
+        Command::Purge(args) => purge::run(&**conn, &args).await,
+        Command::Run(_) => unreachable!("`run` is not an operator command"),
+    }
+}
+
+/// One pooled connection (handlers take a pooled transaction, and the pool is where connection
+/// settings are applied for every binary).
+async fn connect(database: tokio_postgres::Config) -> anyhow::Result<Object> {
+    let pool = build_pool(
+        database,
+        &PoolOptions {
+            max_size: 1,
+            timeout: Duration::from_secs(10),
+            application_name: APPLICATION_NAME,
+            statement_timeout: None,
+            verify_on_checkout: true,
+        },
+    )?;
+    pool.get()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect to the database: {}", describe_pool_error(&e)))
+}
+
+/// Maps a database error to a message naming what we were doing and the server's reason.
+fn db_error(doing: &'static str) -> impl FnOnce(tokio_postgres::Error) -> anyhow::Error {
+    move |e| anyhow::anyhow!("{doing}: {}", describe_db_error(&e))
+}
+
+/// Locks the rows of `event_id` (of `endpoint`, when given) and returns the one it designates,
+/// or refuses: no such event, or the id is stored for several endpoints and none was named.
+async fn lock_one_event(
+    tx: &(impl tokio_postgres::GenericClient + Sync),
+    event_id: &str,
+    endpoint: Option<&str>,
+) -> anyhow::Result<EventRow> {
+    let mut rows =
+        admin::lock_event(tx, event_id, endpoint).await.map_err(db_error("looking up the event"))?;
+    match rows.len() {
+        0 => match endpoint {
+            Some(endpoint) => anyhow::bail!("no event {event_id} for endpoint {endpoint} in the inbox"),
+            None => anyhow::bail!("no event {event_id} in the inbox"),
+        },
+        1 => Ok(rows.remove(0)),
+        _ => {
+            let endpoints: Vec<&str> = rows.iter().map(|r| r.endpoint.as_str()).collect();
+            anyhow::bail!(
+                "event {event_id} is stored for several endpoints ({}): pass --endpoint to choose one",
+                endpoints.join(", ")
+            )
+        }
+    }
+}

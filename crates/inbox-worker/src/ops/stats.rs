@@ -1,0 +1,63 @@
+//! `stats`: the queue's health — unprocessed rows split into ready, leased, waiting for a retry
+//! and parked, the oldest unprocessed age, what was processed in the last hour — in total and
+//! per event type.
+
+use clap::Args as ClapArgs;
+use inbox_domain::inbox::store::admin;
+
+use super::db_error;
+use super::output::{emit, emit_json, format_age, OutputArgs, Table};
+
+/// Flags of `stats`.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `stats`.
+pub async fn run(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    max_attempts: i32,
+    args: &Args,
+) -> anyhow::Result<()> {
+    let stats = admin::stats(client, max_attempts).await.map_err(db_error("reading the queue statistics"))?;
+    if args.output.json {
+        return emit_json(&stats);
+    }
+    let mut summary = Table::new(&[("queue", false), ("rows", true)]);
+    let oldest = stats.oldest_unprocessed_age_seconds.map_or_else(|| "-".to_owned(), format_age);
+    for (name, value) in [
+        ("unprocessed", stats.unprocessed.to_string()),
+        ("  ready", stats.ready.to_string()),
+        ("  leased (in flight)", stats.leased.to_string()),
+        ("  retry_wait (after a failure)", stats.retry_wait.to_string()),
+        (&*format!("  needs_review (attempts >= {max_attempts})"), stats.needs_review.to_string()),
+        ("oldest_unprocessed_age", oldest),
+        ("processed_last_hour", stats.processed_last_hour.to_string()),
+    ] {
+        summary.push(vec![name.to_owned(), value]);
+    }
+    let mut text = summary.render();
+    text.push('\n');
+    if stats.by_event_type.is_empty() {
+        text.push_str("no unprocessed rows and nothing processed in the last hour\n");
+    } else {
+        let mut by_type = Table::new(&[
+            ("event_type", false),
+            ("unprocessed", true),
+            ("needs_review", true),
+            ("processed_last_hour", true),
+        ]);
+        for t in &stats.by_event_type {
+            by_type.push(vec![
+                t.event_type.clone(),
+                t.unprocessed.to_string(),
+                t.needs_review.to_string(),
+                t.processed_last_hour.to_string(),
+            ]);
+        }
+        text.push_str(&by_type.render());
+    }
+    emit(&text)
+}
