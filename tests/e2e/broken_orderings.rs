@@ -1,5 +1,6 @@
-//! Seed section 2: the two broken orderings, as small test-only functions, fail the very
-//! assertion the real path passes — proof that the suite can see a lost and a doubled effect.
+//! The two orderings an inbox must not use — mark processed then apply (an effect lost on a crash
+//! between the two), apply then mark (an effect doubled) — as small test-only functions, fail the
+//! very assertion the real path passes: proof that the suite can see a lost and a doubled effect.
 //!
 //! The effect here is deliberately *not* idempotent (one `outbox` row per application), as
 //! business effects often are: the inbox alone must make it happen exactly once.
@@ -48,7 +49,7 @@ const INSERT_MARK_SQL: &str =
     "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, processed_at)
      VALUES ('stripe', 'billing', $1, 'invoice.paid', '{}', now()) ON CONFLICT DO NOTHING RETURNING 1";
 
-/// Case A (seed 2): commit "processed" first, then apply in another transaction.
+/// Case A: commit "processed" first, then apply in another transaction.
 async fn receive_mark_first_broken(
     client: &mut tokio_postgres::Client,
     event_id: &str,
@@ -67,7 +68,7 @@ async fn receive_mark_first_broken(
     }
 }
 
-/// Case B (seed 2): apply and commit, then record; `crash` stops between the two.
+/// Case B: apply and commit, then record; `crash` stops between the two.
 async fn receive_mark_after_broken(
     client: &mut tokio_postgres::Client,
     event_id: &str,

@@ -1,5 +1,7 @@
-//! Every row of DESIGN's HTTP table and every signature case of its "Bad input" list: the status
-//! code, the body, and what the inbox holds afterwards.
+//! Every row of the README's HTTP API table and every signature edge case (missing, empty or
+//! malformed header, duplicate `t`, only `v0`, bad `v1`, several `v1`, whitespace, timestamp at the
+//! tolerance's edges, an altered body, a non-UTF-8 body): the status code, the body, and what the
+//! inbox holds afterwards.
 
 use inbox_domain::inbox::signature::{compute_v1, sign_header};
 use inbox_test_support::app::concurrent_posts;
@@ -103,7 +105,7 @@ async fn an_unknown_endpoint_is_404_and_writes_nothing() {
     assert_eq!(app.inbox_rows().await, 0);
 }
 
-/// Every signature case of DESIGN's "Bad input" list: (name, header, body, expected status).
+/// Every signature edge case: (name, header, body, expected status).
 fn signature_cases() -> Vec<(&'static str, Option<String>, Vec<u8>, u16)> {
     let body = invoice_paid("evt_sig", "in_sig", 4200);
     let t = now();

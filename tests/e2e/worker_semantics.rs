@@ -1,16 +1,18 @@
-//! The worker's three transactions against a real PostgreSQL: the rows of the seed's section-10
-//! table adapted to ingest + worker, the two broken orderings of section 2 shown to fail under the
-//! assertion the real path passes, and order independence of the invoice lifecycle.
+//! The worker's three transactions against a real PostgreSQL: every way an event can arrive or
+//! fail — twice, concurrently, out of order, while a worker dies or its lease expires, from a
+//! handler that errs, panics or times out — ends with its effect applied exactly once.
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
+use inbox_domain::inbox::store::queue::Failure;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, eventually, execute, pool, store_event, test_limits};
 use inbox_test_support::TestDb;
+use inbox_worker::completer::FailureRecord;
 use inbox_worker::executor::Outcome;
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -96,7 +98,7 @@ async fn processing_commits_the_effect_and_processed_at_together() {
     assert_eq!(outbox, serde_json::json!({ "invoice_id": "in_1", "amount": 4200 }));
 }
 
-/// Seed: the same event twice → processed once, one booking.
+/// the same event twice → processed once, one booking.
 #[tokio::test]
 async fn the_same_event_delivered_twice_is_booked_once() {
     let db = TestDb::new().await;
@@ -110,7 +112,7 @@ async fn the_same_event_delivered_twice_is_booked_once() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 1);
 }
 
-/// Seed: a failing handler → attempts 1, last_error kept, processed on a later attempt.
+/// a failing handler → attempts 1, last_error kept, processed on a later attempt.
 #[tokio::test]
 async fn a_failure_is_recorded_and_retried_after_the_backoff() {
     let db = TestDb::new().await;
@@ -151,7 +153,7 @@ async fn a_failure_is_recorded_and_retried_after_the_backoff() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
 }
 
-/// Seed: a worker that dies right after each claim, three times with a limit of 3 → parked.
+/// a worker that dies right after each claim, three times with a limit of 3 → parked.
 #[tokio::test]
 async fn a_row_whose_worker_dies_after_every_claim_stops_at_the_attempt_limit() {
     let db = TestDb::new().await;
@@ -168,7 +170,7 @@ async fn a_row_whose_worker_dies_after_every_claim_stops_at_the_attempt_limit() 
     assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 3);
 }
 
-/// Seed: A's lease expires, B processes, A comes back → A does nothing.
+/// A's lease expires, B processes, A comes back → A does nothing.
 #[tokio::test]
 async fn a_worker_returning_after_its_lease_was_taken_does_nothing() {
     let db = TestDb::new().await;
@@ -186,7 +188,52 @@ async fn a_worker_returning_after_its_lease_was_taken_does_nothing() {
     assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 2);
 }
 
-/// Seed: while A holds the row in its process transaction, B waits for the lock (no SKIP
+/// A's lease expires and B claims the row; A's attempt then fails: its failure record is fenced
+/// by its claim (the attempt it counted), so B's lease and error stay as B left them.
+#[tokio::test]
+async fn a_failure_recorded_after_the_lease_was_taken_leaves_the_new_claim_alone() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 3);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let a = claim(&pool, 1, Duration::from_millis(100), 10).await.remove(0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let b = claim(&pool, 1, LEASE, 10).await.remove(0);
+    assert_eq!((a.attempts, b.attempts), (1, 2));
+    let before = client
+        .query_one("SELECT available_at::text, last_error FROM webhook_inbox", &[])
+        .await
+        .unwrap();
+
+    let records = inbox_worker::completer::record_failures(
+        &pool,
+        None,
+        &[Failure { claimed: &a, error: "A's stale failure" }],
+        10,
+    )
+    .await;
+    assert_eq!(records, [FailureRecord::Superseded]);
+    let after = client
+        .query_one("SELECT available_at::text, last_error FROM webhook_inbox", &[])
+        .await
+        .unwrap();
+    assert_eq!(after.get::<_, String>(0), before.get::<_, String>(0), "B's lease is untouched");
+    assert_eq!(after.get::<_, Option<String>>(1), None, "A's error is not recorded over B's claim");
+
+    // B's own failure is recorded.
+    let records = inbox_worker::completer::record_failures(
+        &pool,
+        None,
+        &[Failure { claimed: &b, error: "B's failure" }],
+        10,
+    )
+    .await;
+    assert_eq!(records, [FailureRecord::Retrying]);
+    let error: String = client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
+    assert_eq!(error, "B's failure");
+}
+
+/// while A holds the row in its process transaction, B waits for the lock (no SKIP
 /// LOCKED), then sees it processed and backs off.
 #[tokio::test]
 async fn a_second_worker_waits_for_the_row_lock_then_sees_it_processed() {
@@ -220,7 +267,7 @@ async fn a_second_worker_waits_for_the_row_lock_then_sees_it_processed() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
 }
 
-/// Seed: a handler over `statement_timeout` → recorded as such, still unprocessed.
+/// a handler over `statement_timeout` → recorded as such, still unprocessed.
 #[tokio::test]
 async fn a_handler_over_the_statement_timeout_is_recorded_and_stays_unprocessed() {
     let db = TestDb::new().await;
@@ -304,7 +351,7 @@ async fn unknown_event_types_are_processed_without_effect() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 0);
 }
 
-/// Seed: `invoice.paid` before `invoice.created` → paid.
+/// `invoice.paid` before `invoice.created` → paid.
 #[tokio::test]
 async fn paid_before_created_ends_paid() {
     let db = TestDb::new().await;
@@ -320,7 +367,7 @@ async fn paid_before_created_ends_paid() {
     assert_eq!(status, "paid");
 }
 
-/// Seed: the same payment as two Event objects → one booking, one outbox row.
+/// the same payment as two Event objects → one booking, one outbox row.
 #[tokio::test]
 async fn the_same_payment_as_two_event_objects_is_booked_once() {
     let db = TestDb::new().await;
@@ -333,7 +380,7 @@ async fn the_same_payment_as_two_event_objects_is_booked_once() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 1);
 }
 
-/// Seed: `invoice.paid` on a voided invoice → no booking, no outbox, a reconciliation item.
+/// `invoice.paid` on a voided invoice → no booking, no outbox, a reconciliation item.
 #[tokio::test]
 async fn a_payment_on_a_voided_invoice_books_nothing_and_asks_a_person() {
     let db = TestDb::new().await;
@@ -507,7 +554,7 @@ async fn a_batch_of_payments_has_the_effect_of_paying_one_event_at_a_time() {
     }
 }
 
-/// Seed: the same event on two endpoints → both processed (and still one booking).
+/// the same event on two endpoints → both processed (and still one booking).
 #[tokio::test]
 async fn the_same_event_on_two_endpoints_is_processed_on_both() {
     let db = TestDb::new().await;
@@ -520,7 +567,7 @@ async fn the_same_event_on_two_endpoints_is_processed_on_both() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
 }
 
-/// Seed: 50 events, 4 workers (threads lined up on a barrier, one connection each) → exactly 50
+/// 50 events, 4 workers (threads lined up on a barrier, one connection each) → exactly 50
 /// bookings, nothing left, every row in one attempt.
 #[test]
 fn fifty_events_over_four_concurrent_workers_are_each_booked_once_in_one_attempt() {
