@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use inbox_test_support::db::slow_inserts;
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_test_support::{spawn_app_with, TestApp, TestDb};
@@ -104,15 +105,7 @@ async fn terminated_backends_are_replaced_without_a_failed_request() {
 #[tokio::test]
 async fn a_statement_timeout_is_503_and_stores_nothing() {
     let db = TestDb::new().await;
-    db.client()
-        .await
-        .batch_execute(
-            "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN PERFORM pg_sleep(5); RETURN NEW; END $$;
-             CREATE TRIGGER slow BEFORE INSERT ON webhook_inbox FOR EACH ROW EXECUTE FUNCTION slow_insert();",
-        )
-        .await
-        .unwrap();
+    slow_inserts(&db.client().await, "webhook_inbox", "BEFORE", 5.0).await;
     let app = spawn_app_with(db, |s| s.db_timeout = DB_TIMEOUT).await;
     let started = Instant::now();
     let reply = app.post_signed(invoice_paid("evt_slow", "in_1", 1)).await;

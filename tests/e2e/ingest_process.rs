@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use inbox_test_support::db::slow_inserts;
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
 use inbox_test_support::process::{command, run, start_ingest as start};
 use inbox_test_support::TestDb;
@@ -99,15 +100,7 @@ async fn no_secret_in_logs_or_responses_even_at_debug_level() {
 async fn sigterm_answers_in_flight_requests_then_exits_0() {
     let db = TestDb::new().await;
     // Every insert takes 2 s: the request is in flight when the signal arrives.
-    db.client()
-        .await
-        .batch_execute(
-            "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$;
-             CREATE TRIGGER slow BEFORE INSERT ON webhook_inbox FOR EACH ROW EXECUTE FUNCTION slow_insert();",
-        )
-        .await
-        .unwrap();
+    slow_inserts(&db.client().await, "webhook_inbox", "BEFORE", 2.0).await;
     let (mut proc, base) = start(ingest(&db.url(), &format!("billing={SECRET_A}")));
     let http = inbox_test_support::app::http_client();
     let body = invoice_paid("evt_inflight", "in_1", 1);

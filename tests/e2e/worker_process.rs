@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_test_support::db::scalar;
+use inbox_test_support::db::{scalar, slow_inserts};
 use inbox_test_support::events::{invoice_paid, SECRET_A};
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::worker::{eventually, store_event};
@@ -24,14 +24,7 @@ fn start(cmd: std::process::Command) -> Proc {
 
 /// A trigger that sleeps `seconds` in every ledger booking (BEFORE or AFTER the insert).
 async fn slow_bookings(client: &tokio_postgres::Client, when: &str, seconds: f64) {
-    client
-        .batch_execute(&format!(
-            "CREATE FUNCTION slow_booking() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$;
-             CREATE TRIGGER slow_booking {when} INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow_booking();"
-        ))
-        .await
-        .unwrap();
+    slow_inserts(client, "ledger_entries", when, seconds).await;
 }
 
 /// Waits until a worker backend is inside the ledger booking.
@@ -120,7 +113,7 @@ async fn a_handler_over_the_statement_timeout_is_recorded_then_retried() {
     .await;
     assert!(recorded, "{}", w.output());
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 0);
-    client.batch_execute("DROP TRIGGER slow_booking ON ledger_entries").await.unwrap();
+    client.batch_execute("DROP TRIGGER slow ON ledger_entries").await.unwrap();
     assert!(all_processed(&client, Duration::from_secs(20)).await, "{}", w.output());
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
     assert!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await >= 2);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::Failure;
-use inbox_test_support::db::scalar;
+use inbox_test_support::db::{scalar, slow_inserts};
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, eventually, execute, pool, store_event, test_limits};
 use inbox_test_support::TestDb;
@@ -98,7 +98,7 @@ async fn processing_commits_the_effect_and_processed_at_together() {
     assert_eq!(outbox, serde_json::json!({ "invoice_id": "in_1", "amount": 4200 }));
 }
 
-/// the same event twice → processed once, one booking.
+/// The same event twice → processed once, one booking.
 #[tokio::test]
 async fn the_same_event_delivered_twice_is_booked_once() {
     let db = TestDb::new().await;
@@ -112,7 +112,7 @@ async fn the_same_event_delivered_twice_is_booked_once() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 1);
 }
 
-/// a failing handler → attempts 1, last_error kept, processed on a later attempt.
+/// A failing handler → attempts 1, last_error kept, processed on a later attempt.
 #[tokio::test]
 async fn a_failure_is_recorded_and_retried_after_the_backoff() {
     let db = TestDb::new().await;
@@ -153,7 +153,7 @@ async fn a_failure_is_recorded_and_retried_after_the_backoff() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
 }
 
-/// a worker that dies right after each claim, three times with a limit of 3 → parked.
+/// A worker that dies right after each claim, three times with a limit of 3 → parked.
 #[tokio::test]
 async fn a_row_whose_worker_dies_after_every_claim_stops_at_the_attempt_limit() {
     let db = TestDb::new().await;
@@ -200,10 +200,8 @@ async fn a_failure_recorded_after_the_lease_was_taken_leaves_the_new_claim_alone
     tokio::time::sleep(Duration::from_millis(200)).await;
     let b = claim(&pool, 1, LEASE, 10).await.remove(0);
     assert_eq!((a.attempts, b.attempts), (1, 2));
-    let before = client
-        .query_one("SELECT available_at::text, last_error FROM webhook_inbox", &[])
-        .await
-        .unwrap();
+    let before =
+        client.query_one("SELECT available_at::text, last_error FROM webhook_inbox", &[]).await.unwrap();
 
     let records = inbox_worker::completer::record_failures(
         &pool,
@@ -213,10 +211,8 @@ async fn a_failure_recorded_after_the_lease_was_taken_leaves_the_new_claim_alone
     )
     .await;
     assert_eq!(records, [FailureRecord::Superseded]);
-    let after = client
-        .query_one("SELECT available_at::text, last_error FROM webhook_inbox", &[])
-        .await
-        .unwrap();
+    let after =
+        client.query_one("SELECT available_at::text, last_error FROM webhook_inbox", &[]).await.unwrap();
     assert_eq!(after.get::<_, String>(0), before.get::<_, String>(0), "B's lease is untouched");
     assert_eq!(after.get::<_, Option<String>>(1), None, "A's error is not recorded over B's claim");
 
@@ -233,7 +229,7 @@ async fn a_failure_recorded_after_the_lease_was_taken_leaves_the_new_claim_alone
     assert_eq!(error, "B's failure");
 }
 
-/// while A holds the row in its process transaction, B waits for the lock (no SKIP
+/// While A holds the row in its process transaction, B waits for the lock (no SKIP
 /// LOCKED), then sees it processed and backs off.
 #[tokio::test]
 async fn a_second_worker_waits_for_the_row_lock_then_sees_it_processed() {
@@ -245,13 +241,7 @@ async fn a_second_worker_waits_for_the_row_lock_then_sees_it_processed() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let b = claim(&pool, 1, LEASE, 10).await.remove(0);
     // A processes slowly: a trigger holds its transaction open for 1 s after the booking.
-    client
-        .batch_execute(
-            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$;
-             CREATE TRIGGER slow AFTER INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow();",
-        )
-        .await
-        .unwrap();
+    slow_inserts(&client, "ledger_entries", "AFTER", 1.0).await;
     let limits = test_limits(Duration::from_secs(5));
     let (pa, pb) = (pool.clone(), pool.clone());
     let first =
@@ -267,19 +257,13 @@ async fn a_second_worker_waits_for_the_row_lock_then_sees_it_processed() {
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
 }
 
-/// a handler over `statement_timeout` → recorded as such, still unprocessed.
+/// A handler over `statement_timeout` → recorded as such, still unprocessed.
 #[tokio::test]
 async fn a_handler_over_the_statement_timeout_is_recorded_and_stays_unprocessed() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let pool = pool(&db, 2);
-    client
-        .batch_execute(
-            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$;
-             CREATE TRIGGER slow BEFORE INSERT ON ledger_entries FOR EACH ROW EXECUTE FUNCTION slow();",
-        )
-        .await
-        .unwrap();
+    slow_inserts(&client, "ledger_entries", "BEFORE", 3.0).await;
     store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
     let row = claim(&pool, 1, LEASE, 10).await.remove(0);
     let outcome = execute(&pool, &invoices(), &row, &test_limits(Duration::from_millis(500))).await;
@@ -367,7 +351,7 @@ async fn paid_before_created_ends_paid() {
     assert_eq!(status, "paid");
 }
 
-/// the same payment as two Event objects → one booking, one outbox row.
+/// The same payment as two Event objects → one booking, one outbox row.
 #[tokio::test]
 async fn the_same_payment_as_two_event_objects_is_booked_once() {
     let db = TestDb::new().await;
@@ -554,7 +538,7 @@ async fn a_batch_of_payments_has_the_effect_of_paying_one_event_at_a_time() {
     }
 }
 
-/// the same event on two endpoints → both processed (and still one booking).
+/// The same event on two endpoints → both processed (and still one booking).
 #[tokio::test]
 async fn the_same_event_on_two_endpoints_is_processed_on_both() {
     let db = TestDb::new().await;
@@ -647,8 +631,9 @@ async fn handing_back_an_unstarted_claim_returns_its_attempt_only_while_it_is_ou
     assert_eq!(attempts, 2);
 }
 
-/// Several events share one transaction, each in its own savepoint: a failing, a timing-out and a
-/// panicking event do not poison their neighbours, whose effects commit.
+/// Several events share one transaction; when one fails, the batch is redone one event per
+/// savepoint: a failing, a timing-out and a panicking event do not poison their neighbours, whose
+/// effects commit.
 #[tokio::test]
 async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     let db = TestDb::new().await;

@@ -1,8 +1,12 @@
 //! `inbox-ingest`: the HTTP service that receives Stripe webhooks.
 //!
 //! A request is answered 200 only once its row (or the proof it already existed) is committed;
-//! anything unverified is refused before it reaches the database.
+//! anything unverified is refused before it reaches the database. [`Application`] is built from
+//! [`Settings`] on an already-bound listener: [`startup`] wires the [`routes`] (verify, then store
+//! through the group-commit `batcher`), the [`error`] enum that maps every refusal to its status
+//! code, and the [`metrics`].
 
+#[doc(hidden)]
 pub mod batcher;
 pub mod configuration;
 pub mod error;
@@ -11,4 +15,4 @@ pub mod routes;
 pub mod startup;
 
 pub use configuration::{Cli, Settings};
-pub use startup::Application;
+pub use startup::{Application, ServerHandle};

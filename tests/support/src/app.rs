@@ -14,7 +14,7 @@ pub struct TestApp {
     pub address: String,
     pub db: TestDb,
     pub http: reqwest::Client,
-    handle: inbox_ingest::startup::ServerHandle,
+    handle: inbox_ingest::ServerHandle,
 }
 
 /// The settings every test starts from: endpoints `billing` (secrets A and B) and `analytics`

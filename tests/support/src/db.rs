@@ -60,6 +60,19 @@ pub async fn scalar(client: &Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// A fault injected for real: every insert into `table` sleeps `seconds` in a trigger named `slow`,
+/// run `when` (`BEFORE` or `AFTER`) the insert. `DROP TRIGGER slow ON <table>` lifts it.
+pub async fn slow_inserts(client: &Client, table: &str, when: &str, seconds: f64) {
+    client
+        .batch_execute(&format!(
+            "CREATE FUNCTION slow_{table}() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$;
+             CREATE TRIGGER slow {when} INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION slow_{table}();"
+        ))
+        .await
+        .unwrap();
+}
+
 fn migrations_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations")
 }
