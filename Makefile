@@ -6,8 +6,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 WITH_DB := scripts/with-db.sh
-# The two product binaries; the tools (bench, chaos) are built only by their own targets.
+# The two product binaries and the example's; the tools (bench, chaos) are built only by their own
+# targets.
 PRODUCT := -p inbox-ingest -p inbox-worker
+EXAMPLES := -p custom-worker
 # What `make test` builds and runs: everything but the tools.
 TOOLS := --exclude inbox-bench --exclude inbox-chaos
 
@@ -18,7 +20,7 @@ help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 build: ## Build the binaries (debug, as the tests use them)
-	$(CARGO) build --bins $(PRODUCT)
+	$(CARGO) build --bins $(PRODUCT) $(EXAMPLES)
 
 build-release: ## Build the two product binaries (release, as make run and the image use them)
 	$(CARGO) build --bins --release -p inbox-ingest -p inbox-worker

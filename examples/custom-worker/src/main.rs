@@ -1,0 +1,36 @@
+//! `custom-worker`: a team's own worker binary. The stock invoice handlers, plus the team's
+//! subscription state machine ([`subscriptions`]) with its table and migration; every subcommand
+//! of `inbox-worker` (`migrate`, `run`, `replay`, the operator commands) comes from
+//! `inbox_worker::main_with`.
+//!
+//! Configuration: `SUBSCRIPTION_PRICES`, the comma-separated Stripe price ids this product sells
+//! (unset: every subscription). A malformed value stops the binary before it does anything.
+
+use std::process::ExitCode;
+
+use inbox_worker::prelude::*;
+
+mod subscriptions;
+
+use subscriptions::{Prices, SubscriptionHandler};
+
+fn main() -> ExitCode {
+    let prices = match Prices::from_env() {
+        Ok(prices) => prices,
+        Err(e) => {
+            eprintln!("custom-worker: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let subscriptions = SubscriptionHandler::new(prices);
+    let mut registry = Registry::with_invoice_handlers();
+    for event_type in subscriptions::EVENT_TYPES {
+        registry.register(event_type, subscriptions.clone());
+    }
+    // Applied by `migrate` after the inbox's own migrations, recorded in a history table of its own.
+    registry.migrations(
+        Migrations::new("custom_worker_schema_history")
+            .add("V1__subscriptions", include_str!("../migrations/V1__subscriptions.sql")),
+    );
+    inbox_worker::main_with(registry)
+}
