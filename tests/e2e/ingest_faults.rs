@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use inbox_test_support::db::slow_inserts;
+use inbox_test_support::db::{column, slow_inserts};
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_test_support::{spawn_app_with, TestApp, TestDb};
@@ -49,16 +49,8 @@ async fn refused_connections_answer_503_and_the_service_recovers_by_itself() {
     assert_eq!(app.get("/readyz").await.status, 200);
     // The redelivery of the refused event is accepted now.
     assert_eq!(app.post_signed(invoice_paid("evt_during", "in_1", 1)).await.body["status"], "accepted");
-    let ids: Vec<String> = app
-        .db
-        .client()
-        .await
-        .query("SELECT event_id FROM webhook_inbox ORDER BY 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let ids: Vec<String> =
+        column(&app.db.client().await, "SELECT event_id FROM webhook_inbox ORDER BY 1").await;
     assert_eq!(ids, ["evt_after", "evt_before", "evt_during"]);
 }
 

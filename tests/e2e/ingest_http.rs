@@ -5,6 +5,7 @@
 
 use inbox_domain::inbox::signature::{compute_v1, sign_header};
 use inbox_test_support::app::concurrent_posts;
+use inbox_test_support::db::column;
 use inbox_test_support::events::{invoice_paid, now, sign, SECRET_A, SECRET_B, SECRET_C};
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_test_support::{spawn_app, spawn_app_with, TestDb};
@@ -73,16 +74,11 @@ async fn the_same_event_on_two_endpoints_is_two_rows() {
     let b = app.post("analytics", Some(&sign(SECRET_C, &body)), body).await;
     assert_eq!((a.status, b.status), (200, 200));
     assert_eq!((a.body["status"].as_str(), b.body["status"].as_str()), (Some("accepted"), Some("accepted")));
-    let endpoints: Vec<String> = app
-        .db
-        .client()
-        .await
-        .query("SELECT endpoint FROM webhook_inbox WHERE event_id = 'evt_two_ep' ORDER BY 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let endpoints: Vec<String> = column(
+        &app.db.client().await,
+        "SELECT endpoint FROM webhook_inbox WHERE event_id = 'evt_two_ep' ORDER BY 1",
+    )
+    .await;
     assert_eq!(endpoints, ["analytics", "billing"]);
 }
 

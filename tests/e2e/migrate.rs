@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use inbox_test_support::db::column;
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::TestDb;
 
@@ -23,13 +24,7 @@ async fn migrate_applies_the_schema_once_even_when_two_run_at_once() {
     assert_eq!(applied, 1, "exactly one run applies V1:\n{}\n{}", a.output(), b.output());
 
     let client = db.client().await;
-    let versions: Vec<i32> = client
-        .query("SELECT version FROM refinery_schema_history ORDER BY 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let versions: Vec<i32> = column(&client, "SELECT version FROM refinery_schema_history ORDER BY 1").await;
     let expected: Vec<i32> = (1..=inbox_domain::inbox::schema::expected_version()).collect();
     assert_eq!(versions, expected);
     for table in

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_test_support::db::scalar;
+use inbox_test_support::db::{column, scalar};
 use inbox_test_support::process::{command, run};
 use inbox_test_support::TestDb;
 use serde_json::{json, Value};
@@ -147,13 +147,7 @@ async fn state(client: &Client, endpoint: &str, event_id: &str) -> (i32, Option<
 
 /// Every inbox row as text, to compare before and after.
 async fn snapshot(client: &Client) -> Vec<String> {
-    client
-        .query("SELECT w::text FROM webhook_inbox AS w ORDER BY endpoint, event_id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    column(client, "SELECT w::text FROM webhook_inbox AS w ORDER BY endpoint, event_id").await
 }
 
 /// The audit records, oldest first: (actor, action, target, affected).
@@ -731,13 +725,7 @@ async fn purge_deletes_in_batches_and_never_touches_unprocessed_rows() {
     assert_eq!(report["batches"], 3, "5 rows in batches of 2: {report}");
     assert!(report.get("matched").is_none(), "{report}");
 
-    let left: Vec<String> = client
-        .query("SELECT event_id FROM webhook_inbox ORDER BY event_id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let left: Vec<String> = column(&client, "SELECT event_id FROM webhook_inbox ORDER BY event_id").await;
     assert_eq!(left, ["evt_parked", "evt_queued", "evt_recent"]);
 
     let records = audit(&client).await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::Failure;
-use inbox_test_support::db::{scalar, slow_inserts};
+use inbox_test_support::db::{column, scalar, slow_inserts};
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, eventually, execute, pool, store_event, test_limits};
 use inbox_test_support::TestDb;
@@ -683,21 +683,10 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     assert!(matches!(by_id["evt_5"], Outcome::Failed(e) if e.contains("57014")), "{outcomes:?}");
     assert_eq!(by_id["evt_6"], &Outcome::Ignored);
 
-    let processed: Vec<String> = client
-        .query("SELECT event_id FROM webhook_inbox WHERE processed_at IS NOT NULL ORDER BY 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let processed: Vec<String> =
+        column(&client, "SELECT event_id FROM webhook_inbox WHERE processed_at IS NOT NULL ORDER BY 1").await;
     assert_eq!(processed, ["evt_1", "evt_3", "evt_6"]);
-    let booked: Vec<String> = client
-        .query("SELECT invoice_id FROM ledger_entries ORDER BY 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let booked: Vec<String> = column(&client, "SELECT invoice_id FROM ledger_entries ORDER BY 1").await;
     assert_eq!(booked, ["in_1", "in_3"]);
     assert_eq!(scalar(&client, "SELECT count(*) FROM invoices WHERE id IN ('in_2', 'in_5')").await, 0);
 }

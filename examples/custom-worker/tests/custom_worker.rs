@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use inbox_test_support::app::raw_request;
-use inbox_test_support::db::scalar;
+use inbox_test_support::db::{column, scalar};
 use inbox_test_support::events::{invoice_paid, now, sign, SECRET_A};
 use inbox_test_support::process::{command, run, run_split, start_ingest, Proc};
 use inbox_test_support::worker::{eventually, store_event};
@@ -230,13 +230,8 @@ async fn migrate_applies_the_inbox_schema_then_the_subscriptions_table_each_in_i
     let client = db.client().await;
     let first = ok(&db, &["migrate"]).await;
 
-    let inbox_versions: Vec<i32> = client
-        .query("SELECT version FROM refinery_schema_history ORDER BY 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let inbox_versions: Vec<i32> =
+        column(&client, "SELECT version FROM refinery_schema_history ORDER BY 1").await;
     assert!(inbox_versions.len() >= 2 && inbox_versions[0] == 1, "{inbox_versions:?}");
     let ours: Vec<(i32, String)> = client
         .query("SELECT version, name FROM custom_worker_schema_history ORDER BY 1", &[])

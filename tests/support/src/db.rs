@@ -60,6 +60,11 @@ pub async fn scalar(client: &Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// The first column of every row of `sql`.
+pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(client: &Client, sql: &str) -> Vec<T> {
+    client.query(sql, &[]).await.unwrap().iter().map(|r| r.get(0)).collect()
+}
+
 /// A fault injected for real: every insert into `table` sleeps `seconds` in a trigger named `slow`,
 /// run `when` (`BEFORE` or `AFTER`) the insert. `DROP TRIGGER slow ON <table>` lifts it.
 pub async fn slow_inserts(client: &Client, table: &str, when: &str, seconds: f64) {
@@ -98,13 +103,8 @@ fn pid_alive(pid: u32) -> bool {
 async fn ensure_template(admin: &Client) -> String {
     let name = template_name();
     admin.execute("SELECT pg_advisory_lock($1)", &[&TEMPLATE_LOCK_KEY]).await.unwrap();
-    let databases: Vec<String> = admin
-        .query("SELECT datname FROM pg_database WHERE datname LIKE 'inbox\\_%'", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let databases: Vec<String> =
+        column(admin, "SELECT datname FROM pg_database WHERE datname LIKE 'inbox\\_%'").await;
     for db in &databases {
         let stale_template = db.starts_with(TEMPLATE_PREFIX) && *db != name;
         let dead_test = db
