@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use inbox_domain::inbox::schema::{self, expected_version, Migrations};
 use inbox_test_support::db::column;
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::TestDb;
@@ -25,7 +26,7 @@ async fn migrate_applies_the_schema_once_even_when_two_run_at_once() {
 
     let client = db.client().await;
     let versions: Vec<i32> = column(&client, "SELECT version FROM refinery_schema_history ORDER BY 1").await;
-    let expected: Vec<i32> = (1..=inbox_domain::inbox::schema::expected_version()).collect();
+    let expected: Vec<i32> = (1..=expected_version()).collect();
     assert_eq!(versions, expected);
     for table in
         ["webhook_inbox", "invoices", "outbox", "ledger_entries", "operator_audit", "reconciliation_items"]
@@ -57,4 +58,22 @@ fn migrate_without_a_database_exits_1_and_says_why() {
     let (code, output) = run(cmd, Duration::from_secs(30));
     assert_eq!(code, 1, "{output}");
     assert!(output.contains("DATABASE_URL"), "{output}");
+}
+
+#[tokio::test]
+async fn a_failing_application_migration_names_itself_and_the_servers_reason_and_keeps_the_inbox_schema() {
+    let db = TestDb::empty().await;
+    let mut client = db.client().await;
+    let broken = Migrations::new("app_schema_history").add("V1__broken_table", "CREATE TABLE broken (");
+    let error = schema::migrate(&mut client, Some(&broken)).await.unwrap_err().to_string();
+    assert!(
+        error.contains("app_schema_history")
+            && error.contains("V1__broken_table")
+            && error.contains("(42601)"),
+        "the set, the migration and the SQLSTATE: {error}"
+    );
+    let inbox = column::<i32>(&client, "SELECT version FROM refinery_schema_history ORDER BY 1").await;
+    assert_eq!(inbox.len() as i32, expected_version(), "the inbox's migrations ran first and stay");
+    let app = column::<i32>(&client, "SELECT version FROM app_schema_history").await;
+    assert!(app.is_empty(), "the broken migration is not recorded");
 }

@@ -69,18 +69,35 @@ pub async fn check_reachable(pool: &Pool) -> anyhow::Result<()> {
     client
         .simple_query("SELECT 1")
         .await
-        .map_err(|e| anyhow::anyhow!("the database does not answer: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("the database does not answer: {}", describe_db_error(&e)))?;
     Ok(())
 }
 
-/// A database error with its SQLSTATE, e.g. `canceling statement due to statement timeout
-/// (57014)`; the driver's own text for errors the server did not send (a closed connection).
-/// tokio-postgres' `Display` of a server error is only "db error".
+/// A database error as every message and log line reports it: the server's message with its
+/// SQLSTATE, e.g. `canceling statement due to statement timeout (57014)`; for an error the server
+/// did not send (a refused or closed connection, a TLS failure), the driver's text followed by its
+/// causes, e.g. `error connecting to server: Connection refused (os error 111)`. tokio-postgres'
+/// own `Display` of a server error is only "db error", and of an I/O error only its kind.
 pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => format!("{} ({})", db.message(), db.code().code()),
-        None => e.to_string(),
+    if let Some(db) = e.as_db_error() {
+        return format!("{} ({})", db.message(), db.code().code());
     }
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// A database error as an `anyhow` error saying what we were doing (see [`describe_db_error`]).
+pub fn db_error(doing: &str, e: &tokio_postgres::Error) -> anyhow::Error {
+    anyhow::anyhow!("{doing}: {}", describe_db_error(e))
 }
 
 /// A short description of a pool error that names the cause (refused, timed out, …) without
@@ -89,16 +106,7 @@ pub fn describe_pool_error(e: &deadpool_postgres::PoolError) -> String {
     use deadpool_postgres::PoolError;
     match e {
         PoolError::Timeout(kind) => format!("timed out ({kind:?}) waiting for a database connection"),
-        PoolError::Backend(e) => {
-            let mut text = e.to_string();
-            let mut source = std::error::Error::source(e);
-            while let Some(s) = source {
-                text.push_str(": ");
-                text.push_str(&s.to_string());
-                source = s.source();
-            }
-            text
-        }
+        PoolError::Backend(e) => describe_db_error(e),
         PoolError::Closed => "the pool is closed".to_owned(),
         PoolError::NoRuntimeSpecified => "no runtime for pool timeouts".to_owned(),
         PoolError::PostCreateHook(e) => format!("connection set-up failed: {e}"),

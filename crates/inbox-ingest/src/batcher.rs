@@ -245,7 +245,7 @@ fn classify(e: tokio_postgres::Error) -> BatchError {
         }
         Some(code) if *code == SqlState::QUERY_CANCELED => BatchError::Unavailable("statement timeout"),
         _ => {
-            tracing::warn!(error = %e, "insert failed");
+            tracing::warn!(error = %inbox_domain::db::describe_db_error(&e), "insert failed");
             BatchError::Unavailable("database error")
         }
     }

@@ -50,7 +50,10 @@ async fn notify_workers(pool: Pool, wake: Arc<Notify>) {
         wake.notified().await;
         if let Ok(client) = pool.get().await {
             if let Err(e) = client.batch_execute(inbox_domain::inbox::store::ingest::NOTIFY_SQL).await {
-                tracing::debug!(error = %e, "wake-up NOTIFY failed (workers fall back to polling)");
+                tracing::debug!(
+                    error = %inbox_domain::db::describe_db_error(&e),
+                    "wake-up NOTIFY failed (workers fall back to polling)"
+                );
             }
         }
         tokio::time::sleep(NOTIFY_INTERVAL).await;

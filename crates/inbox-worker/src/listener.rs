@@ -19,7 +19,10 @@ pub async fn run(mut config: tokio_postgres::Config, wake: Arc<Notify>, shutdown
             _ = shutdown.cancelled() => return,
             result = listen(&config, &wake) => {
                 if let Err(e) = result {
-                    tracing::debug!(error = %e, "wake-up listener disconnected; reconnecting");
+                    tracing::debug!(
+                        error = %inbox_domain::db::describe_db_error(&e),
+                        "wake-up listener disconnected; reconnecting"
+                    );
                 }
             }
         }

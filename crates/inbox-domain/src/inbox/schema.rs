@@ -7,7 +7,7 @@
 //! tables (a foreign key to `invoices`, a view over `outbox`), but never change them: the inbox's
 //! tables belong to its migrations.
 
-use anyhow::Context as _;
+use crate::db::{db_error, describe_db_error};
 
 mod embedded {
     refinery::embed_migrations!("../../migrations");
@@ -118,7 +118,7 @@ pub async fn migrate(
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
         .await
-        .context("taking the migration lock")?;
+        .map_err(|e| db_error("taking the migration lock", &e))?;
     let mut sets = vec![(HISTORY_TABLE.to_owned(), embedded::migrations::runner())];
     if let (Some(runner), Some(app)) = (app_runner, app) {
         sets.push((app.history_table.clone(), runner));
@@ -138,9 +138,10 @@ pub async fn migrate(
                 history_table: table,
             }),
             Err(e) => {
-                result = Err(
-                    anyhow::Error::new(e).context(format!("applying the migrations recorded in {table}"))
-                );
+                result = Err(anyhow::anyhow!(
+                    "applying the migrations recorded in {table}: {}",
+                    describe_refinery_error(&e)
+                ));
                 break;
             }
         }
@@ -152,6 +153,19 @@ pub async fn migrate(
         report.version = current_version_in(client, &report.history_table).await?.unwrap_or(0);
     }
     Ok(reports)
+}
+
+/// refinery's error says which migration failed; the server's reason, with its SQLSTATE, is the
+/// tokio-postgres error underneath it.
+fn describe_refinery_error(e: &refinery::Error) -> String {
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(db) = cause.downcast_ref::<tokio_postgres::Error>() {
+            return format!("{}: {}", e.kind(), describe_db_error(db));
+        }
+        source = cause.source();
+    }
+    e.to_string()
 }
 
 /// Statement reading the inbox's applied schema version; fails with 42P01 before the first
@@ -177,7 +191,7 @@ async fn current_version_in(
     match client.query_one(&sql, &[]).await {
         Ok(row) => Ok(row.get::<_, Option<i32>>(0)),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => Ok(None),
-        Err(e) => Err(e).with_context(|| format!("reading the schema version from {history_table}")),
+        Err(e) => Err(db_error(&format!("reading the schema version from {history_table}"), &e)),
     }
 }
 

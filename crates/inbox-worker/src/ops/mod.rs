@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use clap::Args;
 use deadpool_postgres::Object;
-use inbox_domain::db::{build_pool, describe_db_error, describe_pool_error, PoolOptions};
+use inbox_domain::db::{build_pool, describe_pool_error, PoolOptions};
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::admin::{self, EventRow};
 use inbox_domain::inbox::store::TransactionLimits;
@@ -87,7 +87,7 @@ async fn connect(database: tokio_postgres::Config) -> anyhow::Result<Object> {
 
 /// Maps a database error to a message naming what we were doing and the server's reason.
 fn db_error(doing: &'static str) -> impl FnOnce(tokio_postgres::Error) -> anyhow::Error {
-    move |e| anyhow::anyhow!("{doing}: {}", describe_db_error(&e))
+    move |e| inbox_domain::db::db_error(doing, &e)
 }
 
 /// Locks the rows of `event_id` (of `endpoint`, when given) and returns the one it designates,
