@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
-use inbox_test_support::db::{scalar, slow_inserts};
+use inbox_test_support::db::{scalar, slow_writes};
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_test_support::worker::{claim, eventually, execute, pool, spawn_worker, store_event, test_limits};
@@ -93,7 +93,7 @@ async fn the_worker_recovers_from_terminated_backends() {
 async fn a_request_abandoned_mid_insert_leaves_no_connection_in_a_transaction() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    slow_inserts(&client, "webhook_inbox", "BEFORE", 1.0).await;
+    slow_writes(&client, "webhook_inbox", "BEFORE INSERT", 1.0).await;
     let app = spawn_app_with(db, |s| s.pool_size = 2).await;
     // Clients that give up after 100 ms, while their inserts are still running.
     for i in 0..4 {
@@ -120,7 +120,7 @@ async fn a_request_abandoned_mid_insert_leaves_no_connection_in_a_transaction() 
 async fn an_event_cut_off_mid_transaction_never_returns_its_connection_to_the_pool() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    slow_inserts(&client, "ledger_entries", "BEFORE", 2.0).await;
+    slow_writes(&client, "ledger_entries", "BEFORE INSERT", 2.0).await;
     store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
     let pool = pool(&db, 1);
     let row = claim(&pool, 1, Duration::from_secs(30), 10).await.remove(0);

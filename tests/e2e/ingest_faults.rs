@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use inbox_test_support::db::{column, slow_inserts};
+use inbox_test_support::db::{column, slow_writes};
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_test_support::{spawn_app_with, TestApp, TestDb};
@@ -97,7 +97,7 @@ async fn terminated_backends_are_replaced_without_a_failed_request() {
 #[tokio::test]
 async fn a_statement_timeout_is_503_and_stores_nothing() {
     let db = TestDb::new().await;
-    slow_inserts(&db.client().await, "webhook_inbox", "BEFORE", 5.0).await;
+    slow_writes(&db.client().await, "webhook_inbox", "BEFORE INSERT", 5.0).await;
     let app = spawn_app_with(db, |s| s.db_timeout = DB_TIMEOUT).await;
     let started = Instant::now();
     let reply = app.post_signed(invoice_paid("evt_slow", "in_1", 1)).await;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use inbox_test_support::db::slow_inserts;
+use inbox_test_support::db::slow_writes;
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
 use inbox_test_support::process::{command, run, start_ingest as start};
 use inbox_test_support::TestDb;
@@ -100,7 +100,7 @@ async fn no_secret_in_logs_or_responses_even_at_debug_level() {
 async fn sigterm_answers_in_flight_requests_then_exits_0() {
     let db = TestDb::new().await;
     // Every insert takes 2 s: the request is in flight when the signal arrives.
-    slow_inserts(&db.client().await, "webhook_inbox", "BEFORE", 2.0).await;
+    slow_writes(&db.client().await, "webhook_inbox", "BEFORE INSERT", 2.0).await;
     let (mut proc, base) = start(ingest(&db.url(), &format!("billing={SECRET_A}")));
     let http = inbox_test_support::app::http_client();
     let body = invoice_paid("evt_inflight", "in_1", 1);

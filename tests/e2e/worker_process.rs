@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_test_support::db::{scalar, slow_inserts};
+use inbox_test_support::db::{scalar, slow_writes};
 use inbox_test_support::events::{invoice_paid, SECRET_A};
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::worker::{eventually, store_event};
@@ -24,7 +24,7 @@ fn start(cmd: std::process::Command) -> Proc {
 
 /// A trigger that sleeps `seconds` in every ledger booking (BEFORE or AFTER the insert).
 async fn slow_bookings(client: &tokio_postgres::Client, when: &str, seconds: f64) {
-    slow_inserts(client, "ledger_entries", when, seconds).await;
+    slow_writes(client, "ledger_entries", &format!("{when} INSERT"), seconds).await;
 }
 
 /// Waits until a worker backend is inside the ledger booking.

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
-use inbox_domain::inbox::store::queue::Failure;
-use inbox_test_support::db::{column, scalar, slow_inserts};
+use inbox_domain::inbox::store::queue::{self, Failure};
+use inbox_test_support::db::{column, scalar, slow_writes};
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, eventually, execute, pool, store_event, test_limits};
 use inbox_test_support::TestDb;
@@ -60,6 +60,33 @@ async fn the_claim_counts_the_attempt_and_leases_the_row_before_any_work() {
     assert!(row.get::<_, bool>(2));
     assert!(claim(&pool, 10, LEASE, 10).await.is_empty(), "a leased row is not claimed again");
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 0);
+}
+
+/// The claim runs under a server-side statement timeout shorter than the worker's own deadline:
+/// a claim slower than it is abandoned by the server and leases nothing, so a worker that stopped
+/// waiting never leaves rows leased to nobody; the connection is left outside any transaction.
+#[tokio::test]
+async fn a_claim_over_its_server_side_timeout_leases_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    slow_writes(&client, "webhook_inbox", "BEFORE UPDATE", 2.0).await;
+    let pool = pool(&db, 1);
+    let conn = pool.get().await.unwrap();
+    let started = std::time::Instant::now();
+    let error = queue::claim(&conn, 10, 10, LEASE, Duration::from_millis(300)).await.unwrap_err();
+    assert_eq!(error.code(), Some(&tokio_postgres::error::SqlState::QUERY_CANCELED), "{error}");
+    assert!(started.elapsed() < Duration::from_millis(1500), "the server gave up, not the trigger");
+    let row =
+        client.query_one("SELECT attempts, available_at <= now() FROM webhook_inbox", &[]).await.unwrap();
+    assert_eq!((row.get::<_, i32>(0), row.get::<_, bool>(1)), (0, true), "no attempt counted, no lease");
+    let timeout: String =
+        conn.query_one("SELECT current_setting('statement_timeout')", &[]).await.unwrap().get(0);
+    assert_eq!(timeout, "0", "the claim's limits ended with its transaction");
+
+    client.batch_execute("DROP TRIGGER slow ON webhook_inbox").await.unwrap();
+    let claimed = queue::claim(&conn, 10, 10, LEASE, Duration::from_millis(300)).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the same connection claims once the fault is gone");
 }
 
 #[tokio::test]
@@ -241,7 +268,7 @@ async fn a_second_worker_waits_for_the_row_lock_then_sees_it_processed() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let b = claim(&pool, 1, LEASE, 10).await.remove(0);
     // A processes slowly: a trigger holds its transaction open for 1 s after the booking.
-    slow_inserts(&client, "ledger_entries", "AFTER", 1.0).await;
+    slow_writes(&client, "ledger_entries", "AFTER INSERT", 1.0).await;
     let limits = test_limits(Duration::from_secs(5));
     let (pa, pb) = (pool.clone(), pool.clone());
     let first =
@@ -263,7 +290,7 @@ async fn a_handler_over_the_statement_timeout_is_recorded_and_stays_unprocessed(
     let db = TestDb::new().await;
     let client = db.client().await;
     let pool = pool(&db, 2);
-    slow_inserts(&client, "ledger_entries", "BEFORE", 3.0).await;
+    slow_writes(&client, "ledger_entries", "BEFORE INSERT", 3.0).await;
     store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
     let row = claim(&pool, 1, LEASE, 10).await.remove(0);
     let outcome = execute(&pool, &invoices(), &row, &test_limits(Duration::from_millis(500))).await;

@@ -26,7 +26,8 @@ pub struct Context {
     pub lease: Duration,
     /// Bound on each claim, failure record and hand-back. The pool does not verify connections
     /// at checkout, so a connection the network dropped silently fails by this deadline (and is
-    /// discarded) instead of hanging the producer.
+    /// discarded) instead of hanging the producer. The claim's server-side statement timeout is
+    /// half of it, so the server gives up on a slow claim before the worker stops waiting for it.
     pub db_timeout: Duration,
     pub metrics: Metrics,
     /// Cancelled at the first stop signal: no new claims, unstarted rows are handed back.
@@ -105,7 +106,7 @@ pub async fn run(
 async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
-        let rows = queue::claim(conn.client(), ctx.max_attempts, want as i64, ctx.lease)
+        let rows = queue::claim(conn.client(), ctx.max_attempts, want as i64, ctx.lease, ctx.db_timeout / 2)
             .await
             .map_err(|e| describe_db_error(&e))?;
         conn.set_clean(true);

@@ -65,14 +65,15 @@ pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(client: &Clie
     client.query(sql, &[]).await.unwrap().iter().map(|r| r.get(0)).collect()
 }
 
-/// A fault injected for real: every insert into `table` sleeps `seconds` in a trigger named `slow`,
-/// run `when` (`BEFORE` or `AFTER`) the insert. `DROP TRIGGER slow ON <table>` lifts it.
-pub async fn slow_inserts(client: &Client, table: &str, when: &str, seconds: f64) {
+/// A fault injected for real: every row written to `table` sleeps `seconds` in a trigger named
+/// `slow`, fired `when` (`BEFORE INSERT`, `AFTER INSERT`, `BEFORE UPDATE`, …). `DROP TRIGGER slow ON
+/// <table>` lifts it.
+pub async fn slow_writes(client: &Client, table: &str, when: &str, seconds: f64) {
     client
         .batch_execute(&format!(
             "CREATE FUNCTION slow_{table}() RETURNS trigger LANGUAGE plpgsql AS
                $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$;
-             CREATE TRIGGER slow {when} INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION slow_{table}();"
+             CREATE TRIGGER slow {when} ON {table} FOR EACH ROW EXECUTE FUNCTION slow_{table}();"
         ))
         .await
         .unwrap();

@@ -87,7 +87,9 @@ pub async fn claim(
     max_attempts: i32,
 ) -> Vec<Claimed> {
     let client = pool.get().await.unwrap();
-    inbox_domain::inbox::store::queue::claim(&client, max_attempts, n, lease).await.unwrap()
+    inbox_domain::inbox::store::queue::claim(&client, max_attempts, n, lease, Duration::from_secs(10))
+        .await
+        .unwrap()
 }
 
 /// Executes one claimed row and, on failure, records it (as the worker does).

@@ -53,17 +53,35 @@ UPDATE webhook_inbox AS w
 RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at, w.ctid::text"
 );
 
-/// Runs [`CLAIM_SQL`].
+/// Runs [`CLAIM_SQL`] in a transaction of its own whose `statement_timeout` (and `lock_timeout`)
+/// is `timeout`: the server abandons a claim that takes longer, so a claim the caller stopped
+/// waiting for (its own deadline is longer) cannot commit leases nobody works. BEGIN, the limits,
+/// the claim and COMMIT go out in one write: one round trip, as a bare autocommit statement would
+/// be. After a failed claim the COMMIT rolls back, and the connection is outside a transaction.
 pub async fn claim(
     client: &Client,
     max_attempts: i32,
     limit: i64,
     lease: std::time::Duration,
+    timeout: std::time::Duration,
 ) -> Result<Vec<Claimed>, tokio_postgres::Error> {
     let lease = lease.as_secs_f64();
-    let rows = client
-        .query_typed(CLAIM_SQL, &[(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8)])
-        .await?;
+    let millis = format!("{}ms", timeout.as_millis().max(1));
+    let limits: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8)];
+    let (_, _, rows, commit) = tokio::join!(
+        client.batch_execute("BEGIN"),
+        client.query_typed(super::SET_LIMITS_SQL, &limits),
+        client.query_typed(CLAIM_SQL, &params),
+        client.batch_execute("COMMIT"),
+    );
+    // A failure of BEGIN or of the limits aborts the transaction, so the claim fails too: its
+    // error is the one to report. A COMMIT that failed leaves the leases' fate unknown: an error
+    // too (the caller discards the connection; leases that did commit expire).
+    let rows = rows?;
+    commit?;
     Ok(rows
         .iter()
         .map(|r| Claimed {
