@@ -151,7 +151,7 @@ async fn the_keda_query_counts_the_rows_stats_calls_ready() {
         ("evt_ready", "attempts = 0"),
         ("evt_retry_later", "attempts = 3, available_at = now() + interval '1 minute', last_error = 'boom'"),
         ("evt_leased", "attempts = 1, available_at = now() + interval '2 minutes'"),
-        ("evt_parked", "attempts = 10, last_error = 'boom'"),
+        ("evt_parked", "attempts = 3, last_error = 'boom', parked_at = now()"),
         ("evt_processed", "attempts = 1, processed_at = now()"),
     ] {
         store_event(&client, "billing", &invoice_paid(id, &format!("in_{id}"), 100)).await;
@@ -161,7 +161,7 @@ async fn the_keda_query_counts_the_rows_stats_calls_ready() {
             .unwrap();
     }
     let keda = scalar(&client, &query).await;
-    let gauges = inbox_domain::inbox::store::admin::queue_gauges(&client, 10).await.unwrap();
+    let gauges = inbox_domain::inbox::store::admin::queue_gauges(&client).await.unwrap();
     assert_eq!(keda, 1, "the KEDA query should count only the ready row: {query}");
     assert_eq!(keda, gauges.ready, "the KEDA query and the inbox_ready gauge disagree");
 }

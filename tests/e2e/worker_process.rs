@@ -259,14 +259,15 @@ async fn start_up_refuses_a_statement_timeout_not_well_under_the_lease() {
 }
 
 /// An operator command on `db`; returns (exit code, output).
+/// An operator command with no flags but `args`: the operator's limit is the default.
 fn operator(db: &TestDb, args: &[&str]) -> (i32, String) {
     let mut cmd = command("inbox-worker");
-    cmd.env("DATABASE_URL", db.url()).args(["--max-attempts", "3"]).args(args);
+    cmd.env("DATABASE_URL", db.url()).args(args);
     run(cmd, Duration::from_secs(30))
 }
 
 #[tokio::test]
-async fn a_poison_row_is_parked_listed_requeued_after_the_fix_and_audited() {
+async fn a_poison_row_parked_by_a_worker_is_listed_without_flags_requeued_after_the_fix_and_audited() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let mut poison: serde_json::Value =
@@ -277,8 +278,12 @@ async fn a_poison_row_is_parked_listed_requeued_after_the_fix_and_audited() {
 
     let w = start(worker(&db, &["--max-attempts", "3"]));
     let parked = eventually(Duration::from_secs(30), || async {
-        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE event_id = 'evt_poison' AND attempts = 3")
-            .await
+        scalar(
+            &client,
+            "SELECT count(*) FROM webhook_inbox
+              WHERE event_id = 'evt_poison' AND attempts = 3 AND parked_at IS NOT NULL",
+        )
+        .await
             == 1
     })
     .await;
@@ -298,14 +303,19 @@ async fn a_poison_row_is_parked_listed_requeued_after_the_fix_and_audited() {
         1
     );
 
+    // Parked is the row's state: an operator's needs-review with no flags (its limit the default
+    // 10) lists the row a worker with --max-attempts 3 parked; stats counts it.
     let mut cmd = command("inbox-worker");
-    cmd.env("DATABASE_URL", db.url()).args(["--max-attempts", "3", "needs-review", "--json"]);
+    cmd.env("DATABASE_URL", db.url()).args(["needs-review", "--json"]);
     let (code, stdout, out) = inbox_test_support::process::run_split(cmd, Duration::from_secs(30));
     assert_eq!(code, 0, "{out}");
     let listed: serde_json::Value =
         serde_json::from_str(&stdout).expect("needs-review --json prints one JSON document");
     assert_eq!(listed["rows"][0]["event_id"], "evt_poison", "{out}");
     assert!(listed["rows"][0]["last_error"].as_str().unwrap().contains("amount_paid"), "{out}");
+    let (code, out) = operator(&db, &["stats", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("\"needs_review\": 1"), "{out}");
 
     // The fix (here: the payload is corrected), then requeue: processed by the running worker.
     client

@@ -86,7 +86,7 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
 
     client.batch_execute("DROP TRIGGER slow ON webhook_inbox").await.unwrap();
     let claimed = queue::claim(&conn, 10, 10, LEASE, Duration::from_millis(300)).await.unwrap();
-    assert_eq!(claimed.len(), 1, "the same connection claims once the fault is gone");
+    assert_eq!(claimed.claimed.len(), 1, "the same connection claims once the fault is gone");
 }
 
 #[tokio::test]
@@ -182,7 +182,7 @@ async fn a_failure_is_recorded_and_retried_after_the_backoff() {
 
 /// A worker that dies right after each claim, three times with a limit of 3 → parked.
 #[tokio::test]
-async fn a_row_whose_worker_dies_after_every_claim_stops_at_the_attempt_limit() {
+async fn a_row_whose_worker_dies_after_every_claim_is_parked_at_the_attempt_limit() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let pool = pool(&db, 2);
@@ -193,7 +193,19 @@ async fn a_row_whose_worker_dies_after_every_claim_stops_at_the_attempt_limit() 
         assert_eq!(rows.len(), 1, "attempt {attempt}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(claim(&pool, 1, LEASE, 3).await.is_empty(), "parked rows are never claimed");
+    // The next claim meets it at the limit with no outcome recorded: it parks it, with the reason.
+    let conn = pool.get().await.unwrap();
+    let next = queue::claim(&conn, 3, 1, LEASE, Duration::from_secs(5)).await.unwrap();
+    assert!(next.claimed.is_empty(), "a row at the limit is not claimed again");
+    assert_eq!(next.parked.iter().map(|p| p.key.event_id.as_str()).collect::<Vec<_>>(), ["evt_1"]);
+    let row = client
+        .query_one("SELECT attempts, parked_at IS NOT NULL, last_error FROM webhook_inbox", &[])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i32>(0), row.get::<_, bool>(1)), (3, true));
+    let reason: String = row.get(2);
+    assert!(reason.contains("attempt 3 of 3 ended without an outcome"), "{reason}");
+    assert!(claim(&pool, 1, LEASE, 10).await.is_empty(), "parked: not claimed even by a worker allowing 10");
     assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 3);
 }
 
@@ -747,7 +759,7 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
             CLAIM_SQL,
             "int, bigint, float8",
             "(10, 32, 30.0)".to_owned(),
-            "Index Scan using webhook_inbox_unprocessed",
+            "Index Scan using webhook_inbox_queue",
         ),
         ("lock", LOCK_BY_CTID_SQL, "text[]", ctids.clone(), "Tid Scan"),
         ("mark", MARK_PROCESSED_SQL, "text[]", ctids, "Tid Scan"),

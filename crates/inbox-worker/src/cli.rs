@@ -36,7 +36,8 @@ pub struct GlobalArgs {
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
 
-    /// Attempts after which a row is parked for review (never claimed again until requeued).
+    /// (run) Attempts after which a worker parks a row for review: never claimed again until
+    /// requeued. Other commands see parked rows as the workers left them, whatever this says.
     #[arg(long, global = true, env = "INBOX_MAX_ATTEMPTS", default_value_t = 10,
           value_parser = clap::value_parser!(i32).range(1..=1000))]
     pub max_attempts: i32,

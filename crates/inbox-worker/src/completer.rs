@@ -46,14 +46,14 @@ pub async fn record_failures(
         },
     };
     conn.set_clean(false);
-    match queue::record_failures(conn.client(), failures).await {
+    match queue::record_failures(conn.client(), failures, max_attempts).await {
         Ok(recorded) => {
             conn.set_clean(true);
             failures
                 .iter()
                 .map(|f| match recorded.iter().find(|(key, _)| *key == f.claimed.key) {
-                    Some((_, attempts)) if *attempts >= max_attempts => FailureRecord::Parked,
-                    Some(_) => FailureRecord::Retrying,
+                    Some((_, true)) => FailureRecord::Parked,
+                    Some((_, false)) => FailureRecord::Retrying,
                     None => FailureRecord::Superseded,
                 })
                 .collect()

@@ -121,6 +121,6 @@ async fn dispatch(cli: cli::Cli, registry: Registry) -> anyhow::Result<()> {
             let settings = runner::Settings::from_args(database, max_attempts, &args)?;
             runner::run(settings, registry, runner::os_signals()).await
         }
-        command => ops::execute(command, database, max_attempts, &registry).await,
+        command => ops::execute(command, database, &registry).await,
     }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 use deadpool_postgres::Pool;
 use inbox_domain::db::describe_db_error;
 use inbox_domain::handler::Registry;
-use inbox_domain::inbox::store::queue::{self, Claimed, Failure};
+use inbox_domain::inbox::store::queue::{self, Claim, Claimed, Failure};
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -63,10 +63,11 @@ pub async fn run(
             continue;
         }
         let want = free.min(batch_size);
-        let claimed = match claim(&ctx, want).await {
-            Ok(rows) => {
+        let (claimed, parked) = match claim(&ctx, want).await {
+            Ok(claim) => {
                 retry_delay = poll_interval.min(Duration::from_millis(500));
-                rows
+                report_parked(&ctx, &claim.parked);
+                (claim.claimed, claim.parked.len())
             }
             Err(e) => {
                 tracing::warn!(error = %e, "claim failed; retrying");
@@ -79,7 +80,8 @@ pub async fn run(
             }
         };
         ctx.metrics.claim_batch_size.observe(claimed.len() as f64);
-        let full = claimed.len() == want;
+        // Rows the claim parked took places of its limit too: then more may be ready as well.
+        let full = claimed.len() + parked == want;
         if !claimed.is_empty() {
             let permits = slots
                 .clone()
@@ -103,7 +105,7 @@ pub async fn run(
     tasks
 }
 
-async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
+async fn claim(ctx: &Context, want: usize) -> Result<Claim, String> {
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
         let rows = queue::claim(conn.client(), ctx.max_attempts, want as i64, ctx.lease, ctx.db_timeout / 2)
@@ -117,6 +119,23 @@ async fn claim(ctx: &Context, want: usize) -> Result<Vec<Claimed>, String> {
     tokio::time::timeout(ctx.db_timeout, claim)
         .await
         .unwrap_or_else(|_| Err(format!("claiming took longer than {:?}", ctx.db_timeout)))
+}
+
+/// Counts and logs the rows a claim parked: at the attempt limit, their last attempt ended without
+/// an outcome (a worker died or lost its lease).
+fn report_parked(ctx: &Context, parked: &[Claimed]) {
+    ctx.metrics.events(EventOutcome::Parked, parked.len() as u64);
+    for row in parked {
+        tracing::warn!(
+            outcome = EventOutcome::Parked.as_str(),
+            provider = %row.key.provider,
+            endpoint = %row.key.endpoint,
+            event_id = %row.key.event_id,
+            event_type = %row.event_type,
+            attempt = row.attempts,
+            "event parked for review: its last allowed attempt ended without an outcome"
+        );
+    }
 }
 
 /// Runs one claimed batch: hands it back if shutdown began before it started, else executes it

@@ -157,12 +157,7 @@ where
     };
     let background = CancellationToken::new();
     if metrics_server.is_some() {
-        tokio::spawn(refresh_gauges(
-            pool.clone(),
-            settings.max_attempts,
-            metrics.clone(),
-            background.clone(),
-        ));
+        tokio::spawn(refresh_gauges(pool.clone(), metrics.clone(), background.clone()));
     }
     let wake = Arc::new(Notify::new());
     tokio::spawn(crate::listener::run(settings.database.clone(), wake.clone(), background.clone()));
@@ -213,16 +208,11 @@ where
     Ok(())
 }
 
-async fn refresh_gauges(
-    pool: deadpool_postgres::Pool,
-    max_attempts: i32,
-    metrics: Metrics,
-    stop: CancellationToken,
-) {
+async fn refresh_gauges(pool: deadpool_postgres::Pool, metrics: Metrics, stop: CancellationToken) {
     loop {
         let refresh = async {
             let client = pool.get().await.map_err(|e| describe_pool_error(&e))?;
-            admin::queue_gauges(&**client, max_attempts).await.map_err(|e| describe_db_error(&e))
+            admin::queue_gauges(&**client).await.map_err(|e| describe_db_error(&e))
         };
         match tokio::time::timeout(metrics::GAUGE_INTERVAL, refresh).await {
             Ok(Ok(g)) => {

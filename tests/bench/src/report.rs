@@ -161,17 +161,17 @@ impl Table {
                         exact["dead_tuples"],
                         exact["live_tuples"],
                         size(exact["free_bytes"].as_i64()),
-                        density("webhook_inbox_unprocessed"),
+                        density("webhook_inbox_queue"),
                         density("webhook_inbox_pkey")
                     ),
                 );
             }
             t.add(
-                "     after drain: heap / unprocessed idx / pkey",
+                "     after drain: heap / queue idx / pkey",
                 format!(
                     "{} / {} / {}",
                     size(a["table_bytes"].as_i64()),
-                    size(crate::pg::index_bytes(a, "webhook_inbox_unprocessed")),
+                    size(crate::pg::index_bytes(a, "webhook_inbox_queue")),
                     size(crate::pg::index_bytes(a, "webhook_inbox_pkey"))
                 ),
             );

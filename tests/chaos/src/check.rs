@@ -8,13 +8,9 @@ use std::time::{Duration, Instant};
 use crate::faults::connect;
 use crate::load::Offered;
 
-/// Waits until no row is unprocessed below the attempt limit (ready, leased or waiting for its
-/// retry), up to `timeout`. Returns how long it took and whether it drained.
-pub async fn drain(
-    config: &tokio_postgres::Config,
-    max_attempts: i32,
-    timeout: Duration,
-) -> (Duration, bool) {
+/// Waits until no row is unprocessed and not parked (ready, leased or waiting for its retry), up
+/// to `timeout`. Returns how long it took and whether it drained.
+pub async fn drain(config: &tokio_postgres::Config, timeout: Duration) -> (Duration, bool) {
     let started = Instant::now();
     let mut last_report = Instant::now();
     loop {
@@ -24,8 +20,8 @@ pub async fn drain(
                 .query_one(
                     "SELECT count(*) FILTER (WHERE available_at <= now()),
                             count(*)
-                       FROM webhook_inbox WHERE processed_at IS NULL AND attempts < $1",
-                    &[&max_attempts],
+                       FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL",
+                    &[],
                 )
                 .await?;
             anyhow::Ok((row.get::<_, i64>(0), row.get::<_, i64>(1)))
@@ -104,7 +100,6 @@ fn example(list: &mut Vec<String>, text: impl FnOnce() -> String) {
 
 pub async fn verify(
     config: &tokio_postgres::Config,
-    max_attempts: i32,
     offered: &[std::sync::Arc<Offered>],
 ) -> anyhow::Result<Verdict> {
     let client = connect(config).await?;
@@ -114,7 +109,8 @@ pub async fn verify(
     let mut rows: HashMap<String, (bool, bool)> = HashMap::new();
     for r in client
         .query(
-            "SELECT event_id, processed_at IS NOT NULL, attempts, last_error, available_at - now() > interval '0'
+            "SELECT event_id, processed_at IS NOT NULL, attempts, last_error, available_at - now() > interval '0',
+                    parked_at IS NOT NULL
                FROM webhook_inbox WHERE endpoint = 'billing'",
             &[],
         )
@@ -126,7 +122,7 @@ pub async fn verify(
         let last_error: Option<String> = r.get(3);
         let waiting: bool = r.get(4);
         v.inbox_rows += 1;
-        let parked = !processed && attempts >= max_attempts;
+        let parked: bool = r.get(5);
         if processed {
             v.processed_rows += 1;
         } else if parked {

@@ -297,14 +297,12 @@ async fn chaos(
     let retry_s = t.elapsed().as_secs_f64();
 
     println!("chaos: draining the queue (up to {})", humantime::format_duration(args.drain_timeout));
-    let (drain_time, drained) = check::drain(db_config, args.max_attempts as i32, args.drain_timeout).await;
+    let (drain_time, drained) = check::drain(db_config, args.drain_timeout).await;
     let offered: Vec<_> = load.events.lock().unwrap().clone();
     if args.sabotage {
         sabotage(db_config, &offered).await.context("sabotaging")?;
     }
-    let verdict = check::verify(db_config, args.max_attempts as i32, &offered)
-        .await
-        .context("checking the database")?;
+    let verdict = check::verify(db_config, &offered).await.context("checking the database")?;
 
     stop_supervisor.cancel();
     let _ = supervising.await;

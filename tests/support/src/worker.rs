@@ -79,7 +79,7 @@ pub fn pool(db: &TestDb, size: usize) -> deadpool_postgres::Pool {
     .unwrap()
 }
 
-/// Claims up to `n` rows with `lease`.
+/// Claims up to `n` rows with `lease`; returns the claimed rows (not those the claim parked).
 pub async fn claim(
     pool: &deadpool_postgres::Pool,
     n: i64,
@@ -90,6 +90,7 @@ pub async fn claim(
     inbox_domain::inbox::store::queue::claim(&client, max_attempts, n, lease, Duration::from_secs(10))
         .await
         .unwrap()
+        .claimed
 }
 
 /// Executes one claimed row and, on failure, records it (as the worker does).

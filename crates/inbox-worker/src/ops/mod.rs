@@ -52,15 +52,14 @@ pub struct ActorArgs {
 pub async fn execute(
     command: Command,
     database: tokio_postgres::Config,
-    max_attempts: i32,
     registry: &Registry,
 ) -> anyhow::Result<()> {
     let mut conn = connect(database).await?;
     match command {
         Command::Migrate => migrate::run(&mut conn, registry).await,
-        Command::Stats(args) => stats::run(&**conn, max_attempts, &args).await,
-        Command::NeedsReview(args) => needs_review::run(&**conn, max_attempts, &args).await,
-        Command::Requeue(args) => requeue::run(&mut conn, max_attempts, &args).await,
+        Command::Stats(args) => stats::run(&**conn, &args).await,
+        Command::NeedsReview(args) => needs_review::run(&**conn, &args).await,
+        Command::Requeue(args) => requeue::run(&mut conn, &args).await,
         Command::Replay(args) => replay::run(&mut conn, registry, &args).await,
         Command::Purge(args) => purge::run(&**conn, &args).await,
         Command::Run(_) => unreachable!("`run` is not an operator command"),

@@ -21,17 +21,11 @@ pub struct Args {
 const TABLE_ERROR_WIDTH: usize = 80;
 
 /// `needs-review`.
-pub async fn run(
-    client: &(impl tokio_postgres::GenericClient + Sync),
-    max_attempts: i32,
-    args: &Args,
-) -> anyhow::Result<()> {
+pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Args) -> anyhow::Result<()> {
     if args.limit < 1 {
         anyhow::bail!("--limit must be at least 1 (got {})", args.limit);
     }
-    let rows = admin::parked_rows(client, max_attempts, args.limit)
-        .await
-        .map_err(db_error("listing the parked rows"))?;
+    let rows = admin::parked_rows(client, args.limit).await.map_err(db_error("listing the parked rows"))?;
     if args.output.json {
         #[derive(Serialize)]
         struct Report<'a> {
@@ -41,7 +35,7 @@ pub async fn run(
         return emit_json(&Report { rows: &rows, count: rows.len() });
     }
     if rows.is_empty() {
-        return emit(&format!("no parked rows (none at {max_attempts} attempts or more)\n"));
+        return emit("no parked rows\n");
     }
     let mut table = Table::new(&[
         ("provider", false),
@@ -50,6 +44,7 @@ pub async fn run(
         ("event_type", false),
         ("attempts", true),
         ("received_at", false),
+        ("parked_at", false),
         ("last_error", false),
     ]);
     for r in &rows {
@@ -60,6 +55,7 @@ pub async fn run(
             r.event_type.clone(),
             r.attempts.to_string(),
             r.received_at.clone(),
+            r.parked_at.clone(),
             r.last_error.as_deref().map_or_else(|| "-".to_owned(), |e| one_line(e, TABLE_ERROR_WIDTH)),
         ]);
     }

@@ -45,11 +45,7 @@ pub struct Args {
 }
 
 /// `requeue`.
-pub async fn run(
-    client: &mut deadpool_postgres::Object,
-    max_attempts: i32,
-    args: &Args,
-) -> anyhow::Result<()> {
+pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow::Result<()> {
     let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
     set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
     let (rows, target) = match (&args.event_id, args.all) {
@@ -76,7 +72,7 @@ pub async fn run(
         }
         (None, true) => {
             let pattern = args.error_contains.as_deref().map(like_literal);
-            let rows = admin::lock_parked(&*tx, max_attempts, args.event_type.as_deref(), pattern.as_deref())
+            let rows = admin::lock_parked(&*tx, args.event_type.as_deref(), pattern.as_deref())
                 .await
                 .map_err(db_error("selecting the parked rows"))?;
             let n = rows.len();
@@ -90,7 +86,6 @@ pub async fn run(
             let target = serde_json::json!({
                 "provider": PROVIDER_STRIPE,
                 "all": true,
-                "max_attempts": max_attempts,
                 "event_type": args.event_type,
                 "error_contains": args.error_contains,
             });

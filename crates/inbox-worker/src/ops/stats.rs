@@ -16,12 +16,8 @@ pub struct Args {
 }
 
 /// `stats`.
-pub async fn run(
-    client: &(impl tokio_postgres::GenericClient + Sync),
-    max_attempts: i32,
-    args: &Args,
-) -> anyhow::Result<()> {
-    let stats = admin::stats(client, max_attempts).await.map_err(db_error("reading the queue statistics"))?;
+pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Args) -> anyhow::Result<()> {
+    let stats = admin::stats(client).await.map_err(db_error("reading the queue statistics"))?;
     if args.output.json {
         return emit_json(&stats);
     }
@@ -32,7 +28,7 @@ pub async fn run(
         ("  ready", stats.ready.to_string()),
         ("  leased (in flight)", stats.leased.to_string()),
         ("  retry_wait (after a failure)", stats.retry_wait.to_string()),
-        (&*format!("  needs_review (attempts >= {max_attempts})"), stats.needs_review.to_string()),
+        ("  needs_review (parked)", stats.needs_review.to_string()),
         ("oldest_unprocessed_age", oldest),
         ("processed_last_hour", stats.processed_last_hour.to_string()),
     ] {

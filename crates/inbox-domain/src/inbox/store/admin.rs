@@ -15,25 +15,27 @@ use crate::PROVIDER_STRIPE;
 // ------------------------------------------------------------------------------------ stats
 
 /// The queue's health in one statement: the grand total (`total = true`, `event_type` NULL) and
-/// one row per event type (`GROUPING SETS`). `$1` provider, `$2` max_attempts. Only rows that
-/// are unprocessed or were processed in the last hour are read into the groups, so an event type
-/// shows only when it has something to report; finding the recently processed rows still reads
-/// the table (there is no index on `processed_at`): this is for operators, not for a scrape
-/// every few seconds — the worker's metrics use [`QUEUE_GAUGES_SQL`].
+/// one row per event type (`GROUPING SETS`). `$1` provider. Only rows that are unprocessed or were
+/// processed in the last hour are read into the groups, so an event type shows only when it has
+/// something to report; finding the recently processed rows still reads the table (there is no
+/// index on `processed_at`): this is for operators, not for a scrape every few seconds — the
+/// worker's metrics use [`QUEUE_GAUGES_SQL`].
 pub const STATS_SQL: &str = concat!(
     "\
 SELECT GROUPING(event_type) = 1 AS total,
        event_type,
        count(*) FILTER (WHERE processed_at IS NULL) AS unprocessed,
        count(*) FILTER (WHERE ",
-    ready!("$2"),
+    ready!(),
     ") AS ready,
-       count(*) FILTER (WHERE processed_at IS NULL AND attempts < $2
-                          AND available_at > now() AND last_error IS NULL) AS leased,
-       count(*) FILTER (WHERE processed_at IS NULL AND attempts < $2
-                          AND available_at > now() AND last_error IS NOT NULL) AS retry_wait,
        count(*) FILTER (WHERE ",
-    parked!("$2"),
+    waiting!(),
+    " AND last_error IS NULL) AS leased,
+       count(*) FILTER (WHERE ",
+    waiting!(),
+    " AND last_error IS NOT NULL) AS retry_wait,
+       count(*) FILTER (WHERE ",
+    parked!(),
     ") AS needs_review,
        extract(epoch FROM now() - min(received_at) FILTER (WHERE processed_at IS NULL))::float8
            AS oldest_unprocessed_age_seconds,
@@ -55,7 +57,7 @@ pub struct Stats {
     pub leased: i64,
     /// Waiting for the backoff after a failure.
     pub retry_wait: i64,
-    /// Parked: `attempts >= max_attempts`.
+    /// Parked by a worker, waiting for an operator.
     pub needs_review: i64,
     /// Age of the oldest unprocessed row (since it was received); None when there is none.
     pub oldest_unprocessed_age_seconds: Option<f64>,
@@ -73,11 +75,8 @@ pub struct EventTypeStats {
 }
 
 /// Runs [`STATS_SQL`].
-pub async fn stats(
-    client: &(impl GenericClient + Sync),
-    max_attempts: i32,
-) -> Result<Stats, tokio_postgres::Error> {
-    let rows = client.query(STATS_SQL, &[&PROVIDER_STRIPE, &max_attempts]).await?;
+pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_postgres::Error> {
+    let rows = client.query(STATS_SQL, &[&PROVIDER_STRIPE]).await?;
     let mut stats = Stats {
         unprocessed: 0,
         ready: 0,
@@ -110,21 +109,25 @@ pub async fn stats(
 }
 
 /// The gauges the worker exports, cheap enough for every few seconds: it reads only unprocessed
-/// rows (`WHERE processed_at IS NULL`, the predicate of the partial index
-/// `webhook_inbox_unprocessed`), never the processed history. All providers, as the claim.
-/// `$1` max_attempts.
+/// rows, each half through its partial index (`webhook_inbox_queue`, `webhook_inbox_parked`),
+/// never the processed history. All providers, as the claim.
 pub const QUEUE_GAUGES_SQL: &str = concat!(
     "\
 SELECT count(*) AS unprocessed,
        COALESCE(extract(epoch FROM now() - min(received_at))::float8, 0) AS oldest_unprocessed_age_seconds,
        count(*) FILTER (WHERE ",
-    parked!("$1"),
+    parked!(),
     ") AS needs_review,
        count(*) FILTER (WHERE ",
-    ready!("$1"),
+    ready!(),
     ") AS ready
-  FROM webhook_inbox
- WHERE processed_at IS NULL"
+  FROM (SELECT processed_at, parked_at, available_at, received_at
+          FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL
+        UNION ALL
+        SELECT processed_at, parked_at, available_at, received_at
+          FROM webhook_inbox WHERE ",
+    parked!(),
+    ") AS unprocessed"
 );
 
 /// The queue gauges of [`QUEUE_GAUGES_SQL`].
@@ -133,7 +136,7 @@ pub struct QueueGauges {
     pub unprocessed: i64,
     /// Seconds since the oldest unprocessed row was received; 0 when there is none.
     pub oldest_unprocessed_age_seconds: f64,
-    /// Parked rows (`attempts >= max_attempts`).
+    /// Parked rows.
     pub needs_review: i64,
     pub ready: i64,
 }
@@ -141,9 +144,8 @@ pub struct QueueGauges {
 /// Runs [`QUEUE_GAUGES_SQL`].
 pub async fn queue_gauges(
     client: &(impl GenericClient + Sync),
-    max_attempts: i32,
 ) -> Result<QueueGauges, tokio_postgres::Error> {
-    let row = client.query_one(QUEUE_GAUGES_SQL, &[&max_attempts]).await?;
+    let row = client.query_one(QUEUE_GAUGES_SQL, &[]).await?;
     Ok(QueueGauges {
         unprocessed: row.get("unprocessed"),
         oldest_unprocessed_age_seconds: row.get("oldest_unprocessed_age_seconds"),
@@ -154,18 +156,20 @@ pub async fn queue_gauges(
 
 // ----------------------------------------------------------------------------- parked rows
 
-/// The parked rows, oldest first (`$1` provider, `$2` max_attempts, `$3` limit), `received_at`
-/// as RFC 3339 text in UTC. The ORDER BY names `w.received_at`, the column, not the text alias.
+/// The parked rows, oldest first (`$1` provider, `$2` limit), `received_at` and `parked_at` as
+/// RFC 3339 text in UTC. The ORDER BY names `w.received_at`, the column, not the text alias; it is
+/// the key of the partial index `webhook_inbox_parked`.
 pub const PARKED_ROWS_SQL: &str = concat!(
     "\
 SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.last_error,
-       to_char(w.received_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS received_at
+       to_char(w.received_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS received_at,
+       to_char(w.parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS parked_at
   FROM webhook_inbox AS w
  WHERE w.provider = $1 AND ",
-    parked!("$2"),
+    parked!(),
     "
  ORDER BY w.received_at, w.endpoint, w.event_id
- LIMIT $3"
+ LIMIT $2"
 );
 
 /// A parked row, as `needs-review` lists it.
@@ -179,15 +183,16 @@ pub struct ParkedRow {
     pub last_error: Option<String>,
     /// RFC 3339, UTC.
     pub received_at: String,
+    /// When a worker gave up on it; RFC 3339, UTC.
+    pub parked_at: String,
 }
 
 /// Runs [`PARKED_ROWS_SQL`].
 pub async fn parked_rows(
     client: &(impl GenericClient + Sync),
-    max_attempts: i32,
     limit: i64,
 ) -> Result<Vec<ParkedRow>, tokio_postgres::Error> {
-    let rows = client.query(PARKED_ROWS_SQL, &[&PROVIDER_STRIPE, &max_attempts, &limit]).await?;
+    let rows = client.query(PARKED_ROWS_SQL, &[&PROVIDER_STRIPE, &limit]).await?;
     Ok(rows
         .iter()
         .map(|r| ParkedRow {
@@ -198,6 +203,7 @@ pub async fn parked_rows(
             attempts: r.get("attempts"),
             last_error: r.get("last_error"),
             received_at: r.get("received_at"),
+            parked_at: r.get("parked_at"),
         })
         .collect())
 }
@@ -255,17 +261,17 @@ pub async fn lock_event(
 // ---------------------------------------------------------------------------------- requeue
 
 /// The parked rows `requeue --all` takes, locked, oldest first (a stable lock order, so two
-/// concurrent requeues cannot deadlock): `$1` provider, `$2` max_attempts, `$3` event type or
-/// NULL, `$4` a pattern `last_error` must contain (LIKE-escaped by the caller) or NULL.
+/// concurrent requeues cannot deadlock): `$1` provider, `$2` event type or NULL, `$3` a pattern
+/// `last_error` must contain (LIKE-escaped by the caller) or NULL.
 pub const LOCK_PARKED_SQL: &str = concat!(
     "\
 SELECT endpoint, event_id, event_type, attempts
   FROM webhook_inbox
  WHERE provider = $1 AND ",
-    parked!("$2"),
+    parked!(),
     "
-   AND ($3::text IS NULL OR event_type = $3)
-   AND ($4::text IS NULL OR last_error ILIKE '%' || $4 || '%')
+   AND ($2::text IS NULL OR event_type = $2)
+   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')
  ORDER BY received_at, endpoint, event_id
    FOR UPDATE"
 );
@@ -282,12 +288,10 @@ pub struct RequeueRow {
 /// Runs [`LOCK_PARKED_SQL`].
 pub async fn lock_parked(
     tx: &(impl GenericClient + Sync),
-    max_attempts: i32,
     event_type: Option<&str>,
     error_pattern: Option<&str>,
 ) -> Result<Vec<RequeueRow>, tokio_postgres::Error> {
-    let rows =
-        tx.query(LOCK_PARKED_SQL, &[&PROVIDER_STRIPE, &max_attempts, &event_type, &error_pattern]).await?;
+    let rows = tx.query(LOCK_PARKED_SQL, &[&PROVIDER_STRIPE, &event_type, &error_pattern]).await?;
     Ok(rows
         .iter()
         .map(|r| RequeueRow {
@@ -299,12 +303,12 @@ pub async fn lock_parked(
         .collect())
 }
 
-/// Puts rows back in the queue: attempts 0, available now; `last_error` is kept for history
-/// (the next failure or the processing overwrites it). `$1` provider, `$2` endpoints and `$3`
-/// event ids (parallel arrays: the rows locked before). Only unprocessed rows.
+/// Puts rows back in the queue: not parked, attempts 0, available now; `last_error` is kept for
+/// history (the next failure or the processing overwrites it). `$1` provider, `$2` endpoints and
+/// `$3` event ids (parallel arrays: the rows locked before). Only unprocessed rows.
 pub const REQUEUE_SQL: &str = "\
 UPDATE webhook_inbox
-   SET attempts = 0, available_at = now()
+   SET attempts = 0, available_at = now(), parked_at = NULL
  WHERE provider = $1
    AND (endpoint, event_id) IN (SELECT * FROM unnest($2::text[], $3::text[]))
    AND processed_at IS NULL";

@@ -11,18 +11,22 @@
 //!   the audit trail — and the queue gauges.
 //!
 //! # The states of a row
-//! Every unprocessed row is in exactly one of these, for an attempt limit `max_attempts`:
+//! Every unprocessed row is in exactly one of these:
 //! * *ready*: not parked and `available_at <= now()` — the next claim may take it (`ready!`);
 //! * *leased*: not parked, `available_at > now()`, `last_error IS NULL` — a worker holds it;
 //! * *retry_wait*: not parked, `available_at > now()`, `last_error IS NOT NULL` — waiting for its
 //!   backoff after a failure (a row claimed again after a failure keeps its `last_error` until it
 //!   is processed, so it counts here, not as leased, while in flight);
-//! * *parked* (needs review): `attempts >= max_attempts` — never claimed again until an operator
-//!   requeues it (`parked!`).
+//! * *parked* (needs review): `parked_at` is set — the worker that ran its last allowed attempt
+//!   gave up on it; never claimed again until an operator requeues it (`parked!`). Parked is
+//!   a state of the row, not a comparison with somebody's `--max-attempts`: every reader agrees
+//!   whatever flags its process was given.
 //!
 //! The ready and parked conditions are written once, as the macros below, and spliced into every
 //! statement that needs them (the claim, the statistics, the gauges, the operator commands). The
 //! KEDA scaler's query in `deploy/k8s` is the `ready!` count too; a test holds it to this text.
+//! Each is also the predicate of its partial index (`webhook_inbox_queue` holds the rows that are
+//! not parked, `webhook_inbox_parked` the parked ones).
 //!
 //! # Plans
 //! The statements the worker runs on the queue ([`queue`]) are sent unnamed (`query_typed`), so
@@ -40,19 +44,26 @@ use tokio_postgres::types::{ToSql, Type};
 
 // The two conditions, defined before the submodules so that their statements can splice them.
 
-/// The condition of a *ready* row — unprocessed, available now, below the attempt limit — with
-/// `$max` the placeholder (or literal) of the limit. Expands to a string literal, for `concat!`.
+/// The condition of a *ready* row: unprocessed, not parked, available now. A string literal, for
+/// `concat!`.
 macro_rules! ready {
-    ($max:literal) => {
-        concat!("processed_at IS NULL AND available_at <= now() AND attempts < ", $max)
+    () => {
+        "processed_at IS NULL AND parked_at IS NULL AND available_at <= now()"
     };
 }
 
-/// The condition of a *parked* row — unprocessed, at or above the attempt limit — with `$max` the
-/// placeholder (or literal) of the limit. Expands to a string literal, for `concat!`.
+/// The condition of a row in the queue but not available now (*leased* or *retry_wait*).
+macro_rules! waiting {
+    () => {
+        "processed_at IS NULL AND parked_at IS NULL AND available_at > now()"
+    };
+}
+
+/// The condition of a *parked* row: unprocessed, given up on by a worker. A string literal, for
+/// `concat!`.
 macro_rules! parked {
-    ($max:literal) => {
-        concat!("processed_at IS NULL AND attempts >= ", $max)
+    () => {
+        "processed_at IS NULL AND parked_at IS NOT NULL"
     };
 }
 
@@ -148,7 +159,7 @@ mod tests {
     #[test]
     fn the_keda_scaler_counts_the_ready_rows_as_the_claim_defines_them() {
         let manifest = include_str!("../../../../../deploy/k8s/base/worker-scaledobject.yaml");
-        let query = concat!("SELECT count(*) FROM webhook_inbox WHERE ", ready!("10"));
+        let query = concat!("SELECT count(*) FROM webhook_inbox WHERE ", ready!());
         assert!(
             manifest.contains(&format!("query: \"{query}\"")),
             "deploy/k8s/base/worker-scaledobject.yaml must query exactly `{query}`"

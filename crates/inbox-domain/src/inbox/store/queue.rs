@@ -22,36 +22,64 @@ pub struct Claimed {
     pub ctid: String,
 }
 
-/// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, available,
-/// below the attempt limit `$1` — skipping rows other workers hold, and for each counts the
-/// attempt and leases it for `$3` seconds. Runs as one autocommit statement, so the attempt is
-/// committed before any work starts: a worker that dies mid-event still used up an attempt, and a
-/// poison row stops at the limit.
+/// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, not parked,
+/// available — skipping rows other workers hold, and for each counts the attempt and leases it for
+/// `$3` seconds. Its transaction commits before any work starts: a worker that dies mid-event still
+/// used up an attempt, and a poison row stops at the limit.
+///
+/// A picked row already at the attempt limit `$1` is not claimed but parked (`parked_at`, and a
+/// `last_error` saying why): its last allowed attempt ended without an outcome — its worker died
+/// or lost its lease — so no failure write parked it. Rows at the limit from before parking was a
+/// state of the row are parked the same way.
 ///
 /// Oldest availability first; `ORDER BY` inside the locking subquery keeps the scan on the
-/// partial index `webhook_inbox_unprocessed`. The update finds the locked rows by `ctid` (a TID
-/// scan) instead of a second primary-key lookup per row: a locked row cannot move. A row another
+/// partial index `webhook_inbox_queue`. The updates find the locked rows by `ctid` (a TID scan)
+/// instead of a second primary-key lookup per row: a locked row cannot move. A row another
 /// session updated and committed after this statement's snapshot comes out of the lock as its
 /// new version, which that snapshot cannot see: it is left unclaimed this time and stays ready.
+/// Returns the claimed rows (`parked` false) and the rows it parked (`parked` true).
 pub const CLAIM_SQL: &str = concat!(
     "\
 WITH picked AS (
-    SELECT ctid
+    SELECT ctid, attempts
       FROM webhook_inbox
      WHERE ",
-    ready!("$1"),
+    ready!(),
     "
      ORDER BY available_at
      LIMIT $2
        FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE webhook_inbox AS w
+       SET attempts = w.attempts + 1,
+           available_at = now() + make_interval(secs => $3)
+      FROM picked
+     WHERE w.ctid = picked.ctid AND picked.attempts < $1
+    RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
+              w.ctid::text AS ctid, false AS parked
+), exhausted AS (
+    UPDATE webhook_inbox AS w
+       SET parked_at = now(),
+           last_error = left('attempt ' || w.attempts || ' of ' || $1
+                             || ' ended without an outcome (its worker stopped or lost its lease)'
+                             || COALESCE('; the attempt before: ' || w.last_error, ''), 1024)
+      FROM picked
+     WHERE w.ctid = picked.ctid AND picked.attempts >= $1
+    RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
+              w.ctid::text AS ctid, true AS parked
 )
-UPDATE webhook_inbox AS w
-   SET attempts = w.attempts + 1,
-       available_at = now() + make_interval(secs => $3)
-  FROM picked
- WHERE w.ctid = picked.ctid
-RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at, w.ctid::text"
+SELECT * FROM claimed
+UNION ALL
+SELECT * FROM exhausted"
 );
+
+/// What a claim came to: the rows this worker now holds, and those it parked instead.
+#[derive(Debug, Clone, Default)]
+pub struct Claim {
+    pub claimed: Vec<Claimed>,
+    /// Ready rows already at the attempt limit, parked by this claim (see [`CLAIM_SQL`]).
+    pub parked: Vec<Claimed>,
+}
 
 /// Runs [`CLAIM_SQL`] in a transaction of its own whose `statement_timeout` (and `lock_timeout`)
 /// is `timeout`: the server abandons a claim that takes longer, so a claim the caller stopped
@@ -64,7 +92,7 @@ pub async fn claim(
     limit: i64,
     lease: std::time::Duration,
     timeout: std::time::Duration,
-) -> Result<Vec<Claimed>, tokio_postgres::Error> {
+) -> Result<Claim, tokio_postgres::Error> {
     let lease = lease.as_secs_f64();
     let millis = format!("{}ms", timeout.as_millis().max(1));
     let limits: [(&(dyn ToSql + Sync), Type); 3] =
@@ -82,16 +110,22 @@ pub async fn claim(
     // too (the caller discards the connection; leases that did commit expire).
     let rows = rows?;
     commit?;
-    Ok(rows
-        .iter()
-        .map(|r| Claimed {
+    let mut claim = Claim::default();
+    for r in &rows {
+        let row = Claimed {
             key: InboxKey { provider: r.get(0), endpoint: r.get(1), event_id: r.get(2) },
             event_type: r.get(3),
             attempts: r.get(4),
             received_at: r.get(5),
             ctid: r.get(6),
-        })
-        .collect())
+        };
+        if r.get::<_, bool>(7) {
+            claim.parked.push(row);
+        } else {
+            claim.claimed.push(row);
+        }
+    }
+    Ok(claim)
 }
 
 /// Locks the claimed rows for processing and re-checks they are still unprocessed (`$1`: the
@@ -191,21 +225,23 @@ pub async fn mark_processed(tx: &Transaction<'_>, ctids: &[&str]) -> Result<u64,
 
 /// Fail (transaction 3, after the process transaction rolled back), for every failed event of a
 /// batch at once: records each error and moves the row to `now() + least(300, 2^attempts) *
-/// random()` seconds (full jitter). Only while the row is unprocessed and still carries this
-/// worker's claim (`attempts` as the claim left it): a row another worker finished, or claimed
-/// again after this worker's lease expired, is left to that worker. Arrays `$1..$3` key, `$4`
-/// the claims' attempts, `$5` the errors. Returns the rows recorded with their attempts, so the
-/// caller can tell which are now parked.
+/// random()` seconds (full jitter); a row whose attempt was the last allowed (`attempts >= $6`,
+/// the worker's limit) is parked instead, for a person. Only while the row is unprocessed and
+/// still carries this worker's claim (`attempts` as the claim left it): a row another worker
+/// finished, or claimed again after this worker's lease expired, is left to that worker. Arrays
+/// `$1..$3` key, `$4` the claims' attempts, `$5` the errors. Returns the rows recorded, each with
+/// whether it is now parked.
 pub const RECORD_FAILURES_SQL: &str = "\
 UPDATE webhook_inbox AS w
    SET last_error = f.error,
-       available_at = now() + make_interval(secs => least(300, 2 ^ w.attempts) * random())
+       available_at = now() + make_interval(secs => least(300, 2 ^ w.attempts) * random()),
+       parked_at = CASE WHEN w.attempts >= $6 THEN now() END
   FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::text[])
        AS f(provider, endpoint, event_id, attempts, error)
  WHERE (w.provider, w.endpoint, w.event_id) = (f.provider, f.endpoint, f.event_id)
    AND w.processed_at IS NULL
    AND w.attempts = f.attempts
-RETURNING w.provider, w.endpoint, w.event_id, w.attempts";
+RETURNING w.provider, w.endpoint, w.event_id, w.parked_at IS NOT NULL";
 
 /// One failed event of a batch: its claim and the error to record (truncated to
 /// [`super::MAX_ERROR_LEN`]).
@@ -215,21 +251,24 @@ pub struct Failure<'a> {
     pub error: &'a str,
 }
 
-/// Runs [`RECORD_FAILURES_SQL`]; returns the keys recorded with the rows' attempts. A failure
-/// missing from the result was not recorded: its row was processed, or claimed again, meanwhile.
+/// Runs [`RECORD_FAILURES_SQL`] with the worker's attempt limit; returns the keys recorded, each
+/// with whether its row is now parked. A failure missing from the result was not recorded: its
+/// row was processed, or claimed again, meanwhile.
 pub async fn record_failures(
     client: &Client,
     failures: &[Failure<'_>],
-) -> Result<Vec<(InboxKey, i32)>, tokio_postgres::Error> {
+    max_attempts: i32,
+) -> Result<Vec<(InboxKey, bool)>, tokio_postgres::Error> {
     let (providers, endpoints, ids) = key_columns(failures.iter().map(|f| &f.claimed.key));
     let attempts: Vec<i32> = failures.iter().map(|f| f.claimed.attempts).collect();
     let errors: Vec<&str> = failures.iter().map(|f| truncate_error(f.error)).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 5] = [
+    let params: [(&(dyn ToSql + Sync), Type); 6] = [
         (&providers, Type::TEXT_ARRAY),
         (&endpoints, Type::TEXT_ARRAY),
         (&ids, Type::TEXT_ARRAY),
         (&attempts, Type::INT4_ARRAY),
         (&errors, Type::TEXT_ARRAY),
+        (&max_attempts, Type::INT4),
     ];
     let rows = client.query_typed(RECORD_FAILURES_SQL, &params).await?;
     Ok(rows
