@@ -4,7 +4,7 @@
 # time the drain until no row is unprocessed. Prints events/s and the commits per event.
 # Needs DATABASE_URL (see with-db.sh) and `cargo build --release`. The full benchmark is `make bench`.
 set -euo pipefail
-rows=${1:-10000} concurrency=${2:-8} processes=${3:-1}
+rows=${1:-10000} concurrency=${2:-256} processes=${3:-1}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bin=$root/target/release
 db=inbox_drain_$$

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use inbox_test_support::db::{scalar, slow_writes};
 use inbox_test_support::events::{invoice_paid, SECRET_A};
-use inbox_test_support::process::{command, run, Proc};
+use inbox_test_support::process::{command, rss_kib, run, Proc};
 use inbox_test_support::worker::{eventually, store_event};
 use inbox_test_support::{spawn_app_with, TestDb};
 
@@ -331,4 +331,36 @@ async fn a_poison_row_parked_by_a_worker_is_listed_without_flags_requeued_after_
         (audit.get::<_, String>(0), audit.get::<_, String>(1), audit.get::<_, i32>(2)),
         ("alice".into(), "requeue".into(), 1)
     );
+}
+
+/// With its defaults (256 events in flight, 32 MiB of payload), a worker draining events of
+/// 1 MiB holds the bytes, not the count: its peak memory stays far below the 256 MiB of the pod
+/// it ships in, where 256 such events in flight would need several times that.
+#[tokio::test]
+async fn a_worker_with_default_flags_drains_one_mib_events_within_its_memory_budget() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_big_' || i, 'invoice.paid',
+                    jsonb_build_object('id', 'evt_big_' || i, 'object', 'event', 'type', 'invoice.paid',
+                        'data', jsonb_build_object('object', jsonb_build_object(
+                            'id', 'in_big_' || i, 'object', 'invoice', 'customer', 'cus_1', 'amount_paid', 100,
+                            'description', repeat(md5(i::text), 32768))))
+               FROM generate_series(1, 120) AS i;
+             UPDATE webhook_inbox SET payload_bytes = octet_length(payload::text);",
+        )
+        .await
+        .unwrap();
+    let size = scalar(&client, "SELECT min(payload_bytes)::bigint FROM webhook_inbox").await;
+    assert!(size > 1 << 20, "each event is over 1 MiB: {size}");
+
+    let w = start(worker(&db, &[]));
+    assert!(all_processed(&client, Duration::from_secs(60)).await, "{}", w.output());
+    let (_, peak_kib) = rss_kib(w.child.id()).expect("the worker runs");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 120);
+    // 32 MiB of payloads in flight, each read once from the wire and held once as text, plus the
+    // process itself (a debug build): well under 160 MiB.
+    assert!(peak_kib < 160 * 1024, "peak RSS {} MiB", peak_kib / 1024);
 }

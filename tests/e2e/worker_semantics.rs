@@ -74,7 +74,7 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     let pool = pool(&db, 1);
     let conn = pool.get().await.unwrap();
     let started = std::time::Instant::now();
-    let error = queue::claim(&conn, 10, 10, LEASE, Duration::from_millis(300)).await.unwrap_err();
+    let error = queue::claim(&conn, 10, 10, i64::MAX, LEASE, Duration::from_millis(300)).await.unwrap_err();
     assert_eq!(error.code(), Some(&tokio_postgres::error::SqlState::QUERY_CANCELED), "{error}");
     assert!(started.elapsed() < Duration::from_millis(1500), "the server gave up, not the trigger");
     let row =
@@ -85,8 +85,42 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     assert_eq!(timeout, "0", "the claim's limits ended with its transaction");
 
     client.batch_execute("DROP TRIGGER slow ON webhook_inbox").await.unwrap();
-    let claimed = queue::claim(&conn, 10, 10, LEASE, Duration::from_millis(300)).await.unwrap();
+    let claimed = queue::claim(&conn, 10, 10, i64::MAX, LEASE, Duration::from_millis(300)).await.unwrap();
     assert_eq!(claimed.claimed.len(), 1, "the same connection claims once the fault is gone");
+}
+
+/// A claim takes rows while the payload bytes before them stay under its budget — at least one
+/// row, at most one row over — so a worker's memory follows the bytes it holds, not the count.
+/// A row stored without `payload_bytes` is measured from its text.
+#[tokio::test]
+async fn a_claim_stops_at_its_byte_budget_and_always_takes_one_row() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    for i in 0..5 {
+        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100)).await;
+    }
+    client.batch_execute("UPDATE webhook_inbox SET payload_bytes = 100000").await.unwrap();
+    let pool = pool(&db, 1);
+    let conn = pool.get().await.unwrap();
+    let claim = |limit: i64, budget: i64| {
+        let conn = &conn;
+        async move { queue::claim(conn, 10, limit, budget, LEASE, Duration::from_secs(5)).await.unwrap().claimed }
+    };
+    let three = claim(5, 250_000).await;
+    assert_eq!(three.len(), 3, "0, 100k and 200k before them are under 250k; the 4th is not");
+    assert!(three.iter().all(|c| c.bytes == 100_000));
+    let one = claim(5, 1).await;
+    assert_eq!(one.len(), 1, "a budget smaller than one row still takes one");
+
+    client
+        .batch_execute("UPDATE webhook_inbox SET payload_bytes = NULL, available_at = now(), attempts = 0")
+        .await
+        .unwrap();
+    let text: i64 =
+        scalar(&client, "SELECT min(octet_length(payload::text))::bigint FROM webhook_inbox").await;
+    let measured = claim(5, i64::MAX).await;
+    assert_eq!(measured.len(), 5);
+    assert!(measured.iter().all(|c| c.bytes >= text), "legacy rows are measured from their text");
 }
 
 #[tokio::test]
@@ -195,7 +229,7 @@ async fn a_row_whose_worker_dies_after_every_claim_is_parked_at_the_attempt_limi
     }
     // The next claim meets it at the limit with no outcome recorded: it parks it, with the reason.
     let conn = pool.get().await.unwrap();
-    let next = queue::claim(&conn, 3, 1, LEASE, Duration::from_secs(5)).await.unwrap();
+    let next = queue::claim(&conn, 3, 1, i64::MAX, LEASE, Duration::from_secs(5)).await.unwrap();
     assert!(next.claimed.is_empty(), "a row at the limit is not claimed again");
     assert_eq!(next.parked.iter().map(|p| p.key.event_id.as_str()).collect::<Vec<_>>(), ["evt_1"]);
     let row = client
@@ -757,8 +791,8 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
         (
             "claim",
             CLAIM_SQL,
-            "int, bigint, float8",
-            "(10, 32, 30.0)".to_owned(),
+            "int, bigint, float8, bigint",
+            "(10, 32, 30.0, 33554432)".to_owned(),
             "Index Scan using webhook_inbox_queue",
         ),
         ("lock", LOCK_BY_CTID_SQL, "text[]", ctids.clone(), "Tid Scan"),

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
-use inbox_domain::config::parse_duration;
+use inbox_domain::config::{parse_byte_size, parse_duration};
 use inbox_domain::telemetry::LogFormat;
 
 use crate::ops;
@@ -70,17 +70,23 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Events in flight at once in this process.
-    #[arg(long, env = "INBOX_WORKER_CONCURRENCY", default_value_t = 4,
-          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    /// Events in flight at once in this process. --concurrency / --batch-size transactions (and
+    /// connections) run at once: 4 by default.
+    #[arg(long, env = "INBOX_WORKER_CONCURRENCY", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub concurrency: u32,
 
     /// Events claimed and processed per transaction (capped at --concurrency). Larger batches
-    /// mean fewer commits, statements and PostgreSQL CPU per event; --concurrency / --batch-size
-    /// transactions run at once.
+    /// mean fewer commits, statements and PostgreSQL CPU per event.
     #[arg(long, env = "INBOX_WORKER_BATCH", default_value_t = 64,
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub batch_size: u32,
+
+    /// Payload bytes in flight at most (e.g. 32MiB): what bounds the worker's memory whatever the
+    /// size of the events (a claim takes fewer rows when they are large, and at least one).
+    #[arg(long, env = "INBOX_WORKER_MAX_BYTES_IN_FLIGHT", default_value = "32MiB",
+          value_parser = parse_byte_size)]
+    pub max_bytes_in_flight: u64,
 
     /// How long a claimed row stays invisible to other workers.
     #[arg(long, env = "INBOX_LEASE", default_value = "2m", value_parser = parse_duration)]

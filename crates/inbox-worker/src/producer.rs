@@ -34,36 +34,62 @@ pub struct Context {
     pub shutdown: CancellationToken,
 }
 
+/// How much a worker takes on at once. A claim waits until all three have room.
+#[derive(Debug, Clone, Copy)]
+pub struct Capacity {
+    /// Events in flight (`--concurrency`).
+    pub events: usize,
+    /// Rows per claim and per process transaction (`--batch-size`, at most `events`).
+    pub batch_size: usize,
+    /// Process transactions in flight, each on its own connection: `events / batch_size`,
+    /// rounded up. Without this bound, rows arriving one at a time would make one transaction
+    /// (and one connection) per event.
+    pub transactions: usize,
+    /// Payload bytes in flight (`--max-bytes-in-flight`): what bounds the worker's memory whatever
+    /// the size of the events. A claim may go over by one row (it always takes at least one).
+    pub bytes: u64,
+}
+
+impl Capacity {
+    pub fn new(events: usize, batch_size: usize, bytes: u64) -> Self {
+        let batch_size = batch_size.clamp(1, events.max(1));
+        Capacity { events, batch_size, transactions: events.div_ceil(batch_size), bytes }
+    }
+}
+
 /// Claims and dispatches until shutdown; returns the tasks still in flight.
 pub async fn run(
     ctx: Arc<Context>,
-    concurrency: usize,
-    batch_size: usize,
+    capacity: Capacity,
     poll_interval: Duration,
     wake: Arc<Notify>,
 ) -> JoinSet<()> {
-    let slots = Arc::new(Semaphore::new(concurrency));
+    let events = Arc::new(Semaphore::new(capacity.events));
+    let transactions = Arc::new(Semaphore::new(capacity.transactions));
+    // In KiB: a semaphore counts in u32.
+    let kib =
+        Arc::new(Semaphore::new(usize::try_from(capacity.bytes.div_ceil(1024)).unwrap_or(usize::MAX >> 4)));
     let mut tasks = JoinSet::new();
     let mut retry_delay = poll_interval.min(Duration::from_millis(500));
     loop {
         while let Some(done) = tasks.try_join_next() {
-            if let Err(e) = done {
-                tracing::error!(error = %e, "event task ended abnormally");
-            }
+            report_task_end(done);
         }
         if ctx.shutdown.is_cancelled() {
             break;
         }
-        let free = slots.available_permits();
-        if free == 0 {
+        let (free_events, free_kib) = (events.available_permits(), kib.available_permits());
+        if free_events == 0 || free_kib == 0 || transactions.available_permits() == 0 {
+            // Every task returns its capacity when it ends.
             tokio::select! {
                 _ = ctx.shutdown.cancelled() => break,
-                permit = slots.clone().acquire_owned() => drop(permit),
+                Some(done) = tasks.join_next() => report_task_end(done),
             }
             continue;
         }
-        let want = free.min(batch_size);
-        let (claimed, parked) = match claim(&ctx, want).await {
+        let want = free_events.min(capacity.batch_size);
+        let budget = i64::try_from(free_kib).unwrap_or(i64::MAX / 1024) * 1024;
+        let (claimed, parked) = match claim(&ctx, want, budget).await {
             Ok(claim) => {
                 retry_delay = poll_interval.min(Duration::from_millis(500));
                 report_parked(&ctx, &claim.parked);
@@ -83,18 +109,25 @@ pub async fn run(
         // Rows the claim parked took places of its limit too: then more may be ready as well.
         let full = claimed.len() + parked == want;
         if !claimed.is_empty() {
-            let permits = slots
-                .clone()
-                .try_acquire_many_owned(claimed.len() as u32)
-                .expect("claimed no more rows than free slots");
+            let bytes: u64 = claimed.iter().map(|c| c.bytes.max(0) as u64).sum();
+            // The claim stopped at the free budget but for its last row: charge what is free at most.
+            let charge = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).min(free_kib as u32);
+            let permits = (
+                events.clone().try_acquire_many_owned(claimed.len() as u32),
+                transactions.clone().try_acquire_owned(),
+                kib.clone().try_acquire_many_owned(charge),
+            );
+            let (Ok(e), Ok(t), Ok(k)) = permits else {
+                unreachable!("only this loop takes capacity, and it claimed within what was free")
+            };
             let ctx = ctx.clone();
             tasks.spawn(async move {
                 process_batch(&ctx, claimed).await;
-                drop(permits);
+                drop((e, t, k));
             });
         }
         if full {
-            continue; // More may be ready: claim again as soon as a slot frees.
+            continue; // More may be ready: claim again as soon as there is room.
         }
         tokio::select! {
             _ = ctx.shutdown.cancelled() => break,
@@ -105,12 +138,19 @@ pub async fn run(
     tasks
 }
 
-async fn claim(ctx: &Context, want: usize) -> Result<Claim, String> {
+fn report_task_end(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done {
+        tracing::error!(error = %e, "event task ended abnormally");
+    }
+}
+
+async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String> {
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
-        let rows = queue::claim(conn.client(), ctx.max_attempts, want as i64, ctx.lease, ctx.db_timeout / 2)
-            .await
-            .map_err(|e| describe_db_error(&e))?;
+        let rows =
+            queue::claim(conn.client(), ctx.max_attempts, want as i64, budget, ctx.lease, ctx.db_timeout / 2)
+                .await
+                .map_err(|e| describe_db_error(&e))?;
         conn.set_clean(true);
         Ok(rows)
     };

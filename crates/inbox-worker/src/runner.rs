@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::RunArgs;
 use crate::executor::Limits;
 use crate::metrics::{self, Metrics};
-use crate::producer::{self, Context};
+use crate::producer::{self, Capacity, Context};
 
 /// Validated settings of `run`.
 #[derive(Debug, Clone)]
@@ -24,10 +24,8 @@ pub struct Settings {
     /// The inbox database (its Debug output redacts the password).
     pub database: tokio_postgres::Config,
     pub max_attempts: i32,
-    /// Events in flight at once.
-    pub concurrency: usize,
-    /// Rows per claim and per process transaction at most (never more than the free slots).
-    pub batch_size: usize,
+    /// Events, transactions and payload bytes in flight at once.
+    pub capacity: Capacity,
     pub lease: Duration,
     pub limits: Limits,
     pub poll_interval: Duration,
@@ -56,12 +54,17 @@ impl Settings {
         if args.poll_interval.is_zero() {
             anyhow::bail!("--poll-interval must be above 0");
         }
-        let concurrency = args.concurrency as usize;
+        if args.max_bytes_in_flight == 0 {
+            anyhow::bail!("--max-bytes-in-flight must be above 0");
+        }
         Ok(Settings {
             database,
             max_attempts,
-            concurrency,
-            batch_size: (args.batch_size as usize).min(concurrency),
+            capacity: Capacity::new(
+                args.concurrency as usize,
+                args.batch_size as usize,
+                args.max_bytes_in_flight,
+            ),
             lease: args.lease,
             limits: Limits {
                 statement_timeout: args.statement_timeout,
@@ -131,10 +134,10 @@ where
     let pool = build_pool(
         settings.database.clone(),
         &PoolOptions {
-            // One per batch in flight — as many as --concurrency when rows arrive one at a time
-            // and each claim takes one — plus the claims and the gauges. A batch's failures are
-            // recorded on its own connection when it is clean, else on a fresh one in its place.
-            max_size: settings.concurrency + 2,
+            // One per process transaction in flight, plus the claims and the gauges. A batch's
+            // failures are recorded on its own connection when it is clean, else on a fresh one
+            // in its place. (The wake-up listener has a connection of its own.)
+            max_size: settings.capacity.transactions + 2,
             timeout: db_timeout,
             application_name: "inbox-worker",
             statement_timeout: None,
@@ -163,7 +166,10 @@ where
     tokio::spawn(crate::listener::run(settings.database.clone(), wake.clone(), background.clone()));
 
     tracing::info!(
-        concurrency = settings.concurrency,
+        concurrency = settings.capacity.events,
+        batch_size = settings.capacity.batch_size,
+        transactions = settings.capacity.transactions,
+        max_bytes_in_flight = settings.capacity.bytes,
         max_attempts = settings.max_attempts,
         lease_s = settings.lease.as_secs_f64(),
         statement_timeout_s = settings.limits.statement_timeout.as_secs_f64(),
@@ -182,8 +188,7 @@ where
         metrics,
         shutdown: shutdown.clone(),
     });
-    let mut in_flight =
-        producer::run(ctx, settings.concurrency, settings.batch_size, settings.poll_interval, wake).await;
+    let mut in_flight = producer::run(ctx, settings.capacity, settings.poll_interval, wake).await;
 
     let pending = in_flight.len();
     tracing::info!(in_flight = pending, "stopped claiming; draining");

@@ -1,4 +1,4 @@
-//! (c) and (3): the workers drain a queue of `invoice.paid` rows (each its own invoice) with the
+//! (c) and scale: the workers drain a queue of `invoice.paid` rows (each its own invoice) with the
 //! full handler; events/s, commits and WAL per event, and the table's state after the drain.
 
 use std::time::{Duration, Instant};
@@ -11,11 +11,14 @@ use crate::services::{check_alive, stop};
 use crate::util::{rss_kib, CpuSample};
 use crate::Ctx;
 
-/// What to drain: `queued` rows, optionally behind `history` processed rows.
+/// What to drain: `queued` rows, optionally behind `history` processed rows; how: `processes`
+/// workers, each with `--concurrency` / `--batch-size` when given, else the worker's defaults.
 pub struct Plan<'a> {
     pub label: &'a str,
     pub db_suffix: String,
     pub processes: usize,
+    pub concurrency: Option<usize>,
+    pub batch_size: Option<usize>,
     pub queued: u64,
     pub history: u64,
 }
@@ -54,19 +57,22 @@ async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<s
     let poll = ctx.args.worker_poll_interval.clone();
     let mut workers: Vec<_> = (0..plan.processes)
         .map(|_| {
-            ctx.bins.start_worker(
-                &db.url,
-                ctx.args.worker_concurrency,
-                ctx.args.worker_batch_size,
-                &["--poll-interval", &poll],
-            )
+            ctx.bins.start_worker(&db.url, plan.concurrency, plan.batch_size, &["--poll-interval", &poll])
         })
         .collect();
     let pids: Vec<(&str, u32)> = workers.iter().map(|w| ("worker", w.child.id())).collect();
     let cpu0 = CpuSample::take(ctx.server.postmaster, &pids);
+    let flags = match (plan.concurrency, plan.batch_size) {
+        (None, None) => "no tuning flags (the worker's defaults)".to_owned(),
+        (c, b) => {
+            let c = c.map_or(String::new(), |c| format!(" --concurrency {c}"));
+            let b = b.map_or(String::new(), |b| format!(" --batch-size {b}"));
+            format!("{}{}", c.trim_start(), b)
+        }
+    };
     ctx.say(&format!(
-        "{label}: {} worker process(es) × --concurrency {} draining {} rows",
-        plan.processes, ctx.args.worker_concurrency, plan.queued
+        "{label}: {} worker process(es), {flags}, draining {} rows",
+        plan.processes, plan.queued
     ));
     let progress = |left: i64| {
         let secs = started.elapsed().as_secs_f64();
@@ -135,8 +141,9 @@ async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<s
     let hot = upd(&table_after, "n_tup_hot_upd") - upd(&table_before, "n_tup_hot_upd");
     Ok(json!({
         "processes": plan.processes,
-        "concurrency": ctx.args.worker_concurrency,
-        "batch_size": ctx.args.worker_batch_size,
+        "concurrency": plan.concurrency,
+        "batch_size": plan.batch_size,
+        "default_flags": plan.concurrency.is_none() && plan.batch_size.is_none(),
         "poll_interval": poll,
         "queued_rows": plan.queued,
         "history_rows": plan.history,

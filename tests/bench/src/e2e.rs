@@ -23,7 +23,12 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         if let Some(p) = &ctx.args.e2e_poll_interval {
             extra.extend(["--poll-interval", p.as_str()]);
         }
-        let mut worker = ctx.bins.start_worker(&db.url, ctx.args.worker_concurrency, ctx.args.worker_batch_size, &extra);
+        let mut worker = ctx.bins.start_worker(
+            &db.url,
+            Some(ctx.args.worker_concurrency),
+            ctx.args.worker_batch_size,
+            &extra,
+        );
         let client = pg::connect(&db.url).await?;
         let host = addr.to_string();
         let warm_n = (rate * ctx.args.warmup.as_secs_f64()).ceil() as usize + 1;

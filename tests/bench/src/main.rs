@@ -6,16 +6,25 @@
 //!          with the same ~2 KB body, at each `--connections` client count;
 //!   b      ingest: pre-signed unique `invoice.paid` webhooks over N keep-alive connections
 //!          (closed loop): req/s, latency percentiles, non-2xx, rows stored = 2xx;
-//!   c      worker drain of `--drain-rows` queued rows with the full handler, 1 and 2 processes:
-//!          events/s, commits/event, WAL bytes/event, dead tuples and sizes after the drain;
+//!   c      worker drain of `--drain-rows` queued rows with the full handler, 1 and 2 processes
+//!          with `--worker-concurrency` (and `--worker-batch-size`): events/s, commits/event,
+//!          WAL bytes/event, dead tuples and sizes after the drain; then the same drain by 1
+//!          process started with no tuning flags (the worker's defaults), as a ratio to the
+//!          tuned 1-process rate;
 //!   d      end to end at half of (b)'s 32-connection rate: receive-to-processed p50/p99;
 //!   e      peak RSS (VmHWM) of each binary in b, c, d;
+//!   mem    `--mem-rows` queued rows of ~1 MiB bodies drained by 1 worker process with no
+//!          tuning flags: events/s, MiB/s, and the worker's peak RSS (VmHWM at the end, or the
+//!          highest of the samples taken during the drain) against the worker pod's 256 MiB
+//!          memory limit;
 //!   scale  the drain again with `--scale-rows` processed rows in the table; claim EXPLAINs.
 //!
 //! Each phase runs in a fresh database `inbox_bench_<pid>_<phase>` on the server of
 //! `DATABASE_URL` (scripts/with-db.sh: the local cluster), migrated by `inbox-worker migrate`
 //! and dropped afterwards. Service binaries are taken from this binary's directory
-//! (target/release). Prints one table and writes target/bench/report.json.
+//! (target/release); the bench starts them with a cleared environment, so "no tuning flags" means
+//! the defaults the worker states in `inbox-worker run --help` (read there, and reported). Prints
+//! one table and writes target/bench/report.json.
 
 #![recursion_limit = "256"]
 
@@ -23,6 +32,7 @@ mod drain;
 mod e2e;
 mod http;
 mod ingest;
+mod mem;
 mod payload;
 mod pg;
 mod pgbench;
@@ -46,6 +56,7 @@ pub enum Phase {
     C,
     D,
     E,
+    Mem,
     Scale,
 }
 
@@ -57,7 +68,7 @@ pub struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
     /// Phases to run, comma-separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "a,b,c,d,e,scale")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "a,b,c,d,e,mem,scale")]
     phases: Vec<Phase>,
     /// Measured time of each pgbench run, ingest run and the end-to-end run.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -71,22 +82,28 @@ pub struct Args {
     /// Rows queued for the drain (c).
     #[arg(long, default_value_t = 50_000)]
     drain_rows: u64,
-    /// Worker process counts of the drain (c).
+    /// Worker process counts of the tuned drains of (c); (c) then drains once more with 1
+    /// process and no tuning flags.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     drain_processes: Vec<usize>,
-    /// `inbox-worker run --concurrency` in (c), (d) and scale: with the default --batch-size of
-    /// 64, four transactions in flight per process.
+    /// `inbox-worker run --concurrency` in the tuned drains of (c), in (d) and scale: with the
+    /// default --batch-size of 64, four transactions in flight per process. The default-flag
+    /// drain of (c) and mem pass no --concurrency.
     #[arg(long, default_value_t = 256)]
     worker_concurrency: usize,
-    /// `inbox-worker run --batch-size` in (c), (d) and scale [default: the service's default]
+    /// `inbox-worker run --batch-size` in the tuned drains of (c), in (d) and scale [default: the
+    /// service's default]
     #[arg(long)]
     worker_batch_size: Option<usize>,
-    /// `inbox-worker run --poll-interval` in the drains (c, scale).
+    /// `inbox-worker run --poll-interval` in the drains (c, mem, scale).
     #[arg(long, default_value = "50ms")]
     worker_poll_interval: String,
     /// Give up on a drain after this long.
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     drain_timeout: Duration,
+    /// Rows of ~1 MiB bodies queued for mem, drained by 1 worker process at its defaults.
+    #[arg(long, default_value_t = 300)]
+    mem_rows: u64,
     /// Processed rows present in the scale phase's table.
     #[arg(long, default_value_t = 1_000_000)]
     scale_rows: u64,
@@ -130,6 +147,9 @@ pub struct Ctx {
     pub start: Instant,
     /// The `invoice.paid` body template (see [`payload`]).
     pub template: String,
+    /// What `inbox-worker run` runs with when given no tuning flags (see
+    /// [`services::Bins::worker_defaults`]).
+    pub worker_defaults: serde_json::Value,
 }
 
 impl Ctx {
@@ -179,7 +199,16 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     });
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let server = pg::Server::open(&args.database_url).await?;
-    let ctx = Ctx { args, server, bins, out_dir, start, template: payload::invoice_paid_template() };
+    let worker_defaults = bins.worker_defaults();
+    let ctx = Ctx {
+        args,
+        server,
+        bins,
+        out_dir,
+        start,
+        template: payload::invoice_paid_template(),
+        worker_defaults: worker_defaults.clone(),
+    };
     let machine = machine_info(&ctx).await?;
     for line in report::machine_lines(&machine) {
         ctx.say(&line);
@@ -193,6 +222,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     results.insert("started_at".into(), json!(started_at));
     results.insert("run_seconds".into(), json!(start.elapsed().as_secs_f64()));
     results.insert("settings".into(), settings_json(&ctx.args));
+    results.insert("worker_defaults".into(), worker_defaults);
 
     let table = report::Table::build(&results);
     let failed_phases = results.get("errors").and_then(|e| e.as_object()).is_some_and(|e| !e.is_empty());
@@ -252,6 +282,8 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
                 label: &format!("c{p}"),
                 db_suffix: format!("c{p}"),
                 processes: p,
+                concurrency: Some(ctx.args.worker_concurrency),
+                batch_size: ctx.args.worker_batch_size,
                 queued: ctx.args.drain_rows,
                 history: 0,
             };
@@ -261,6 +293,22 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
                 }
                 Err(e) => note_err(format!("c{p}"), e, ctx),
             }
+        }
+        // The worker as shipped: the same rows, 1 process, none of the tuning flags.
+        let plan = drain::Plan {
+            label: "c1-default",
+            db_suffix: "c1default".into(),
+            processes: 1,
+            concurrency: None,
+            batch_size: None,
+            queued: ctx.args.drain_rows,
+            history: 0,
+        };
+        match drain::run(ctx, &plan).await {
+            Ok(v) => {
+                out.insert("drain_default".into(), v);
+            }
+            Err(e) => note_err("c1-default".into(), e, ctx),
         }
     }
 
@@ -281,11 +329,22 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
         }
     }
 
+    if want(Phase::Mem) {
+        match mem::run(ctx).await {
+            Ok(v) => {
+                out.insert("mem".into(), v);
+            }
+            Err(e) => note_err("mem".into(), e, ctx),
+        }
+    }
+
     if want(Phase::Scale) {
         let plan = drain::Plan {
             label: "scale",
             db_suffix: "scale".into(),
             processes: 1,
+            concurrency: Some(ctx.args.worker_concurrency),
+            batch_size: ctx.args.worker_batch_size,
             queued: ctx.args.scale_queued,
             history: ctx.args.scale_rows,
         };
@@ -363,6 +422,8 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "worker_concurrency": a.worker_concurrency,
         "worker_batch_size": a.worker_batch_size,
         "worker_poll_interval": a.worker_poll_interval,
+        "mem_rows": a.mem_rows,
+        "mem_event_bytes": mem::EVENT_BYTES,
         "scale_rows": a.scale_rows,
         "scale_queued": a.scale_queued,
         "e2e_rate": a.e2e_rate,

@@ -22,6 +22,11 @@ pub fn invoice_paid_template() -> String {
     template_with_pad(BODY_BYTES, true)
 }
 
+/// The same `invoice.paid` event padded to about `bytes` (the memory phase's ~1 MiB bodies).
+pub fn invoice_paid_template_of(bytes: usize) -> String {
+    template_with_pad(bytes, true)
+}
+
 /// A smaller (~500 B) processed-event payload for the scale phase's history rows.
 pub fn small_template() -> String {
     serde_json::to_string_pretty(&serde_json::json!({

@@ -270,7 +270,9 @@ pub struct StatSnap {
 }
 
 /// Queues `rows` unprocessed `invoice.paid` rows (each its own invoice), bodies from `template`
-/// with `@EVT@` / `@INV@` replaced, in statements of at most 50k rows.
+/// with `@EVT@` / `@INV@` replaced, in statements of at most 50k rows. Like the ingest, each row's
+/// `payload_bytes` is the length in bytes of its body as sent (the text before the `jsonb` cast);
+/// so for [`seed_processed`].
 pub async fn seed_queued(client: &Client, template: &str, tag: &str, rows: u64) -> anyhow::Result<()> {
     seed(client, template, tag, rows, false).await
 }
@@ -323,11 +325,12 @@ async fn seed_range(
         ("", "")
     };
     let sql = format!(
-        "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload{extra_cols})
-         SELECT 'stripe', 'billing', e, 'invoice.paid',
-                replace(replace($1::text, '@EVT@', e), '@INV@', 'in_' || $2::text || lpad(i::text, 10, '0'))::jsonb{extra_vals}
+        "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes{extra_cols})
+         SELECT 'stripe', 'billing', e, 'invoice.paid', body::jsonb, octet_length(body){extra_vals}
            FROM generate_series($3::bigint, $4::bigint) AS i,
-                LATERAL (SELECT 'evt_' || $2::text || lpad(i::text, 10, '0') AS e) AS ids"
+                LATERAL (SELECT 'evt_' || $2::text || lpad(i::text, 10, '0') AS e) AS ids,
+                LATERAL (SELECT replace(replace($1::text, '@EVT@', e), '@INV@',
+                                        'in_' || $2::text || lpad(i::text, 10, '0')) AS body) AS b"
     );
     let (first, last) = (from as i64, (from + n) as i64 - 1);
     client.execute(&sql, &[&template, &tag, &first, &last]).await.context("seeding webhook_inbox")?;
@@ -434,9 +437,10 @@ pub async fn explain_claim(client: &mut Client) -> serde_json::Value {
 }
 
 async fn explain_claim_inner(client: &mut Client) -> anyhow::Result<serde_json::Value> {
-    // $1 max attempts, $2 batch size, $3 lease in seconds (as the worker binds them).
+    // $1 max attempts, $2 batch size, $3 lease in seconds, $4 the free memory budget in payload
+    // bytes (as the worker binds them; the budget of an idle worker at the default 32 MiB).
     let mut sql = inbox_domain::inbox::store::queue::CLAIM_SQL.to_owned();
-    for (param, value) in [("$3", "120.0"), ("$2", "32"), ("$1", "10")] {
+    for (param, value) in [("$4", "33554432"), ("$3", "120.0"), ("$2", "32"), ("$1", "10")] {
         sql = sql.replace(param, value);
     }
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}");

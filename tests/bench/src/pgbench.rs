@@ -1,5 +1,6 @@
 //! (a) The limit: `pgbench -M prepared` running the ingest's own `INSERT … ON CONFLICT DO
-//! NOTHING` with the same ~2 KB body, bound as a parameter like the service binds it.
+//! NOTHING` with the same ~2 KB body and its size (`payload_bytes`), bound as parameters like the
+//! service binds them.
 
 use anyhow::{bail, Context as _};
 use serde_json::json;
@@ -8,10 +9,12 @@ use crate::util::CpuSample;
 use crate::Ctx;
 
 /// The statement of `inbox_domain::inbox::store::ingest::INSERT_EVENTS_SQL`, with pgbench variables: a unique
-/// event id per transaction and the body from `-D payload=…` (sent with every execution).
+/// event id per transaction, the body from `-D payload=…` and its length in bytes from
+/// `-D payload_bytes=…` (both sent with every execution, as the ingest binds them).
 const SCRIPT: &str = "\\set r random(1, 1000000000000)
-INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
-VALUES ('stripe', 'billing', 'evt_' || :client_id || '_' || :r, 'invoice.paid', :payload::jsonb)
+INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes)
+VALUES ('stripe', 'billing', 'evt_' || :client_id || '_' || :r, 'invoice.paid', :payload::jsonb,
+        :payload_bytes::int4)
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
 RETURNING 1;
 ";
@@ -43,6 +46,8 @@ pub async fn run(ctx: &Ctx, clients: usize) -> anyhow::Result<serde_json::Value>
                 .arg(&script)
                 .arg("-D")
                 .arg(format!("payload={body}"))
+                .arg("-D")
+                .arg(format!("payload_bytes={}", body.len()))
                 .arg(&db.url);
             cmd
         };

@@ -35,6 +35,12 @@ fn f(v: &Value, digits: usize) -> String {
     }
 }
 
+/// `256 / 64 / 32MiB`: the worker's defaults as its `--help` states them (`?` where it does not).
+fn defaults_text(d: &Value) -> String {
+    let v = |k: &str| d[k].as_str().unwrap_or("?").to_owned();
+    format!("{} / {} / {}", v("concurrency"), v("batch_size"), v("max_bytes_in_flight"))
+}
+
 /// The entries of a JSON object keyed by numbers ("32", "256"), in numeric order.
 fn numeric(v: &Value) -> Vec<(&String, &Value)> {
     let mut entries: Vec<_> = v.as_object().into_iter().flatten().collect();
@@ -212,6 +218,40 @@ impl Table {
             drain_rows(&mut t, v);
         }
 
+        let defaults = get("worker_defaults");
+        let d = get("drain_default");
+        if d.is_object() {
+            let eps = d["events_per_s"].as_f64().unwrap_or(0.0);
+            let row = t.add(
+                format!("c  drain {} rows, 1 worker proc, default flags", d["queued_rows"]),
+                format!("{eps:.0} events/s"),
+            );
+            // The best rate of one tuned process in this run.
+            let best = numeric(get("drain"))
+                .into_iter()
+                .filter(|(_, v)| v["processes"] == 1)
+                .filter_map(|(p, v)| v["events_per_s"].as_f64().map(|r| (r, format!("c{p}"))))
+                .max_by(|a, b| a.0.total_cmp(&b.0));
+            if let Some((base, name)) = best {
+                row.ratio = Some((eps / base, name));
+                row.target = "≥ 0.80".into();
+                row.ok = Some(eps / base >= 0.8);
+            }
+            t.add(
+                "     worker defaults: --concurrency / --batch-size / --max-bytes-in-flight",
+                defaults_text(defaults),
+            );
+            t.add(
+                "     commits / event; CPU µs per event: worker / postgres",
+                format!(
+                    "{}; {} / {}",
+                    f(&d["commits_per_event"], 2),
+                    f(&d["cpu"]["worker_cpu_us_per_unit"], 0),
+                    f(&d["cpu"]["postgres_cpu_us_per_unit"], 0)
+                ),
+            );
+        }
+
         let e = get("e2e");
         if e.is_object() {
             let rp = &e["receive_to_processed"];
@@ -248,6 +288,41 @@ impl Table {
                     row.ok = Some(peak <= 64.0 * 1024.0);
                 }
             }
+        }
+
+        let m = get("mem");
+        if m.is_object() {
+            let rows = m["rows"].as_f64().unwrap_or(0.0);
+            let avg = m["payload_bytes"].as_f64().unwrap_or(0.0) / rows.max(1.0);
+            t.add(
+                format!(
+                    "mem drain {} rows × {:.2} MiB, 1 worker proc, default flags",
+                    m["rows"],
+                    avg / f64::from(1 << 20)
+                ),
+                format!("{} events/s, {} MiB/s", f(&m["events_per_s"], 0), f(&m["payload_mib_per_s"], 1)),
+            );
+            let max_bytes = m["worker_defaults"]["max_bytes_in_flight"].as_str().unwrap_or("?");
+            let limit = m["memory_limit_kib"].as_f64().unwrap_or(256.0 * 1024.0);
+            let row = t.add(
+                format!("     worker peak RSS, --max-bytes-in-flight {max_bytes} (default)"),
+                m["worker_peak_rss_kib"].as_f64().map_or("?".into(), mib),
+            );
+            row.target = format!("≤ {:.0} MiB", limit / 1024.0);
+            row.ok = Some(m["worker_peak_rss_kib"].as_f64().is_some_and(|p| p <= limit));
+            t.add(
+                "     worker defaults: --concurrency / --batch-size / --max-bytes-in-flight",
+                defaults_text(&m["worker_defaults"]),
+            );
+            let row = t.add(
+                "     ledger rows / rows; rows retried, with error",
+                format!(
+                    "{} / {}; {}, {}",
+                    m["ledger_rows"], m["rows"], m["rows_retried"], m["rows_with_error"]
+                ),
+            );
+            row.target = "equal; 0, 0".into();
+            row.ok = Some(m["ledger_matches"] == true && m["rows_retried"] == 0 && m["rows_with_error"] == 0);
         }
 
         let s = get("scale");
@@ -336,6 +411,10 @@ pub fn rss_json(r: &serde_json::Map<String, Value>) -> Value {
     for (p, v) in r.get("drain").and_then(|v| v.as_object()).into_iter().flatten() {
         let max = v["worker_peak_rss_kib"].as_array().and_then(|a| a.iter().filter_map(|x| x.as_u64()).max());
         worker.insert(format!("c{p}"), json!(max));
+    }
+    if let Some(d) = r.get("drain_default") {
+        let max = d["worker_peak_rss_kib"].as_array().and_then(|a| a.iter().filter_map(|x| x.as_u64()).max());
+        worker.insert("c1-default".into(), json!(max));
     }
     if let Some(e) = r.get("e2e") {
         ingest.insert("d".into(), e["ingest_peak_rss_kib"].clone());

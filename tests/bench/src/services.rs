@@ -80,21 +80,70 @@ impl Bins {
         }
     }
 
-    /// Starts `inbox-worker run --concurrency N` (plus `extra` arguments).
+    /// Starts `inbox-worker run`, with `--concurrency` and `--batch-size` when given (without
+    /// them the worker runs with its own defaults), plus `extra` arguments.
     pub fn start_worker(
         &self,
         database_url: &str,
-        concurrency: usize,
+        concurrency: Option<usize>,
         batch_size: Option<usize>,
         extra: &[&str],
     ) -> Proc {
         let mut cmd = self.command("inbox-worker", database_url);
-        cmd.arg("run").arg("--concurrency").arg(concurrency.to_string()).args(extra);
+        cmd.arg("run").args(extra);
+        if let Some(n) = concurrency {
+            cmd.arg("--concurrency").arg(n.to_string());
+        }
         if let Some(n) = batch_size {
             cmd.arg("--batch-size").arg(n.to_string());
         }
         Proc::spawn(cmd)
     }
+
+    /// The defaults `inbox-worker run` states in its `--help` for the tuning options
+    /// (`--concurrency`, `--batch-size`, `--max-bytes-in-flight`), as written there (`null` for
+    /// an option it does not have or states no default for). The command's environment is
+    /// cleared, as for the workers the bench starts, so these are the values they run with.
+    pub fn worker_defaults(&self) -> serde_json::Value {
+        let help = self
+            .command("inbox-worker", "")
+            .env_remove("DATABASE_URL")
+            .args(["run", "--help"])
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let mut out = serde_json::Map::new();
+        for (key, flag) in [
+            ("concurrency", "--concurrency"),
+            ("batch_size", "--batch-size"),
+            ("max_bytes_in_flight", "--max-bytes-in-flight"),
+        ] {
+            out.insert(key.into(), help_default(&help, flag).map_or(serde_json::Value::Null, Into::into));
+        }
+        serde_json::Value::Object(out)
+    }
+}
+
+/// The `[default: …]` clap prints in the paragraph of option `flag` of a `--help` text.
+fn help_default(help: &str, flag: &str) -> Option<String> {
+    let is_option = |l: &str| {
+        let l = l.trim_start();
+        l.starts_with("--") || (l.starts_with('-') && l.chars().nth(2) == Some(','))
+    };
+    // `--concurrency <N>`, not `--concurrency-x`.
+    let names_flag = |l: &str| {
+        l.trim_start()
+            .strip_prefix(flag)
+            .is_some_and(|rest| !rest.starts_with(|c: char| c.is_alphanumeric() || c == '-'))
+    };
+    let mut lines = help.lines().skip_while(|l| !names_flag(l));
+    let first = lines.next()?;
+    let paragraph: Vec<&str> =
+        std::iter::once(first).chain(lines.take_while(|l| !is_option(l))).map(str::trim).collect();
+    let text = paragraph.join(" ");
+    let rest = &text[text.find("[default: ")? + "[default: ".len()..];
+    Some(rest[..rest.find(']')?].trim().to_owned())
 }
 
 /// Fails when the process has exited (it should be serving).

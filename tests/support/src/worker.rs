@@ -8,19 +8,19 @@ use inbox_domain::inbox::store::queue::Claimed;
 use inbox_domain::inbox::store::queue::Failure;
 use inbox_worker::conn::Conn;
 use inbox_worker::executor::{self, Limits, Outcome};
+use inbox_worker::producer::Capacity;
 use inbox_worker::runner::{self, Settings};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::TestDb;
 
-/// Worker settings for tests: 4 in flight, 10 attempts, 10 s lease, 2 s statement timeout,
-/// 100 ms poll.
+/// Worker settings for tests: 4 in flight (one transaction), 32 MiB, 10 attempts, 10 s lease,
+/// 2 s statement timeout, 100 ms poll.
 pub fn test_settings(db: &TestDb) -> Settings {
     Settings {
         database: db.config(),
         max_attempts: 10,
-        concurrency: 4,
-        batch_size: 4,
+        capacity: Capacity::new(4, 4, 32 << 20),
         lease: Duration::from_secs(10),
         limits: test_limits(Duration::from_secs(2)),
         poll_interval: Duration::from_millis(100),
@@ -87,10 +87,17 @@ pub async fn claim(
     max_attempts: i32,
 ) -> Vec<Claimed> {
     let client = pool.get().await.unwrap();
-    inbox_domain::inbox::store::queue::claim(&client, max_attempts, n, lease, Duration::from_secs(10))
-        .await
-        .unwrap()
-        .claimed
+    inbox_domain::inbox::store::queue::claim(
+        &client,
+        max_attempts,
+        n,
+        i64::MAX,
+        lease,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap()
+    .claimed
 }
 
 /// Executes one claimed row and, on failure, records it (as the worker does).

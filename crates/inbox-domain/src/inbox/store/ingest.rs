@@ -12,12 +12,14 @@ use crate::inbox::event::JsonBytes;
 /// A concurrent insert of the same key by another batch waits on the primary key for the first
 /// one's outcome: if it commits, this one skips the row; if it rolls back, this one inserts it.
 ///
-/// Parameters: provider, then one array per column: endpoints, event ids, event types, payloads.
+/// Parameters: provider, then one array per column: endpoints, event ids, event types, payloads,
+/// and the payloads' sizes in bytes as received (the workers' memory budget counts them).
 /// Returns the (endpoint, event_id) of the rows inserted; the others were duplicates.
 pub const INSERT_EVENTS_SQL: &str = "\
-INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
-SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload
-  FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[]) AS e(endpoint, event_id, event_type, payload)
+INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes)
+SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload, e.payload_bytes
+  FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::int4[])
+       AS e(endpoint, event_id, event_type, payload, payload_bytes)
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
 RETURNING endpoint, event_id";
 
@@ -58,8 +60,10 @@ pub async fn insert_events<C: GenericClient + Sync>(
     let ids: Vec<&str> = events.iter().map(|e| e.event_id).collect();
     let types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
     let payloads: Vec<JsonBytes<'_>> = events.iter().map(|e| JsonBytes(e.payload)).collect();
+    // Bodies are at most --max-body (far below 2 GiB); saturate rather than wrap all the same.
+    let sizes: Vec<i32> = events.iter().map(|e| i32::try_from(e.payload.len()).unwrap_or(i32::MAX)).collect();
     let stmt = client.prepare_cached(INSERT_EVENTS_SQL).await?;
-    let rows = client.query(&stmt, &[&provider, &endpoints, &ids, &types, &payloads]).await?;
+    let rows = client.query(&stmt, &[&provider, &endpoints, &ids, &types, &payloads, &sizes]).await?;
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 

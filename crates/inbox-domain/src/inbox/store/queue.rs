@@ -20,12 +20,19 @@ pub struct Claimed {
     /// Where the claimed version of the row is (`ctid`, as text): the process transaction finds
     /// the row there by a TID scan, unless the row has moved since (see [`LOCK_BY_CTID_SQL`]).
     pub ctid: String,
+    /// The payload's size in bytes as received: what holding the row costs in memory.
+    pub bytes: i64,
 }
 
 /// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, not parked,
 /// available — skipping rows other workers hold, and for each counts the attempt and leases it for
 /// `$3` seconds. Its transaction commits before any work starts: a worker that dies mid-event still
 /// used up an attempt, and a poison row stops at the limit.
+///
+/// Memory: the rows are taken in order while the payload bytes before them stay under `$4` (the
+/// worker's free budget), so a claim never holds much more than the budget — at most one row more,
+/// and always at least one row. A row's size is `payload_bytes` (written by the ingest), or for a
+/// row stored before that column existed, its text measured here.
 ///
 /// A picked row already at the attempt limit `$1` is not claimed but parked (`parked_at`, and a
 /// `last_error` saying why): its last allowed attempt ended without an outcome — its worker died
@@ -37,11 +44,12 @@ pub struct Claimed {
 /// instead of a second primary-key lookup per row: a locked row cannot move. A row another
 /// session updated and committed after this statement's snapshot comes out of the lock as its
 /// new version, which that snapshot cannot see: it is left unclaimed this time and stays ready.
-/// Returns the claimed rows (`parked` false) and the rows it parked (`parked` true).
+/// Candidates over the budget were locked only for the statement's short transaction. Returns
+/// the claimed rows (`parked` false) and the rows it parked (`parked` true), each with its size.
 pub const CLAIM_SQL: &str = concat!(
     "\
-WITH picked AS (
-    SELECT ctid, attempts
+WITH candidates AS (
+    SELECT ctid, attempts, available_at, COALESCE(payload_bytes, octet_length(payload::text)) AS bytes
       FROM webhook_inbox
      WHERE ",
     ready!(),
@@ -49,6 +57,12 @@ WITH picked AS (
      ORDER BY available_at
      LIMIT $2
        FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT ctid, attempts, bytes
+      FROM (SELECT ctid, attempts, bytes,
+                   sum(bytes) OVER (ORDER BY available_at, ctid ROWS UNBOUNDED PRECEDING) - bytes AS before
+              FROM candidates) AS c
+     WHERE before < $4
 ), claimed AS (
     UPDATE webhook_inbox AS w
        SET attempts = w.attempts + 1,
@@ -56,7 +70,7 @@ WITH picked AS (
       FROM picked
      WHERE w.ctid = picked.ctid AND picked.attempts < $1
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
-              w.ctid::text AS ctid, false AS parked
+              w.ctid::text AS ctid, picked.bytes::int8 AS bytes, false AS parked
 ), exhausted AS (
     UPDATE webhook_inbox AS w
        SET parked_at = now(),
@@ -66,7 +80,7 @@ WITH picked AS (
       FROM picked
      WHERE w.ctid = picked.ctid AND picked.attempts >= $1
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
-              w.ctid::text AS ctid, true AS parked
+              w.ctid::text AS ctid, picked.bytes::int8 AS bytes, true AS parked
 )
 SELECT * FROM claimed
 UNION ALL
@@ -81,8 +95,8 @@ pub struct Claim {
     pub parked: Vec<Claimed>,
 }
 
-/// Runs [`CLAIM_SQL`] in a transaction of its own whose `statement_timeout` (and `lock_timeout`)
-/// is `timeout`: the server abandons a claim that takes longer, so a claim the caller stopped
+/// Runs [`CLAIM_SQL`] for up to `limit` rows and `budget` payload bytes (see there), in a
+/// transaction of its own whose `statement_timeout` (and `lock_timeout`) is `timeout`: the server abandons a claim that takes longer, so a claim the caller stopped
 /// waiting for (its own deadline is longer) cannot commit leases nobody works. BEGIN, the limits,
 /// the claim and COMMIT go out in one write: one round trip, as a bare autocommit statement would
 /// be. After a failed claim the COMMIT rolls back, and the connection is outside a transaction.
@@ -90,6 +104,7 @@ pub async fn claim(
     client: &Client,
     max_attempts: i32,
     limit: i64,
+    budget: i64,
     lease: std::time::Duration,
     timeout: std::time::Duration,
 ) -> Result<Claim, tokio_postgres::Error> {
@@ -97,8 +112,8 @@ pub async fn claim(
     let millis = format!("{}ms", timeout.as_millis().max(1));
     let limits: [(&(dyn ToSql + Sync), Type); 3] =
         [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
-    let params: [(&(dyn ToSql + Sync), Type); 3] =
-        [(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8)];
+    let params: [(&(dyn ToSql + Sync), Type); 4] =
+        [(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8), (&budget, Type::INT8)];
     let (_, _, rows, commit) = tokio::join!(
         client.batch_execute("BEGIN"),
         client.query_typed(super::SET_LIMITS_SQL, &limits),
@@ -118,8 +133,9 @@ pub async fn claim(
             attempts: r.get(4),
             received_at: r.get(5),
             ctid: r.get(6),
+            bytes: r.get(7),
         };
-        if r.get::<_, bool>(7) {
+        if r.get::<_, bool>(8) {
             claim.parked.push(row);
         } else {
             claim.claimed.push(row);
