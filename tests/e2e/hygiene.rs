@@ -37,7 +37,8 @@ async fn the_worker_recovers_from_cut_connections_without_a_restart() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let via_proxy = db.config_via_port(proxy.port);
-    let worker = spawn_worker(&db, Registry::with_invoice_handlers(), |s| s.database = via_proxy).await;
+    let worker =
+        spawn_worker(&db, Registry::with_invoice_handlers(), |s| s.database = via_proxy.into()).await;
     store_event(&client, "billing", &invoice_paid("evt_before", "in_1", 100)).await;
     assert!(eventually(Duration::from_secs(10), || async { unprocessed(&client).await == 0 }).await);
 

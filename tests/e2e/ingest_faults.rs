@@ -17,7 +17,7 @@ async fn app_behind_proxy() -> (TestApp, FaultProxy) {
     let db = TestDb::new().await;
     let config = db.config_via_port(proxy.port);
     let app = spawn_app_with(db, |s| {
-        s.database = config;
+        s.database = config.into();
         s.db_timeout = DB_TIMEOUT;
     })
     .await;

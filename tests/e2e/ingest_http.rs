@@ -184,7 +184,7 @@ async fn bad_signatures_are_refused_without_touching_the_database() {
     let db = TestDb::new().await;
     let config = db.config_via_port(proxy.port);
     let app = spawn_app_with(db, |s| {
-        s.database = config;
+        s.database = config.into();
         s.db_timeout = std::time::Duration::from_secs(3);
     })
     .await;

@@ -12,5 +12,6 @@ mod invoice_order;
 mod metric_names;
 mod migrate;
 mod operator;
+mod tls;
 mod worker_process;
 mod worker_semantics;

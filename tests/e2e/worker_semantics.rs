@@ -645,7 +645,7 @@ fn fifty_events_over_four_concurrent_workers_are_each_booked_once_in_one_attempt
                 let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
                 rt.block_on(async move {
                     let pool = inbox_domain::db::build_pool(
-                        config,
+                        &config.into(),
                         &inbox_domain::db::PoolOptions {
                             max_size: 1,
                             timeout: Duration::from_secs(10),

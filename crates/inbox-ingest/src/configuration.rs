@@ -8,6 +8,7 @@ use clap::Parser;
 use inbox_domain::config::{
     parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec,
 };
+use inbox_domain::db::DatabaseConfig;
 use inbox_domain::telemetry::LogFormat;
 
 /// Receives Stripe webhooks: verifies each signature on the raw body and commits the event to the
@@ -68,8 +69,8 @@ pub struct Cli {
 /// Validated settings of the service. Holds secrets: its Debug output redacts them.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Where the inbox lives (its Debug output redacts the password).
-    pub database: tokio_postgres::Config,
+    /// Where the inbox lives and how to reach it (its Debug output redacts the password).
+    pub database: DatabaseConfig,
     /// The endpoints served, with their secrets.
     pub endpoints: Vec<EndpointSpec>,
     pub tolerance: Duration,

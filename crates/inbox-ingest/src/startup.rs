@@ -82,7 +82,7 @@ impl Application {
             endpoints.insert(spec.name.clone(), verifier);
         }
         let pool = build_pool(
-            settings.database.clone(),
+            &settings.database,
             &PoolOptions {
                 max_size: settings.pool_size,
                 timeout: settings.db_timeout,

@@ -5,19 +5,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
+use inbox_domain::db::DatabaseConfig;
 use inbox_domain::inbox::store::queue::LISTEN_SQL;
 use tokio::sync::Notify;
 use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 /// Listens until `shutdown`, reconnecting after failures; the poll interval covers the gaps.
-pub async fn run(mut config: tokio_postgres::Config, wake: Arc<Notify>, shutdown: CancellationToken) {
-    config.application_name("inbox-worker-listener");
+pub async fn run(mut database: DatabaseConfig, wake: Arc<Notify>, shutdown: CancellationToken) {
+    database.config.application_name("inbox-worker-listener");
     let mut delay = Duration::from_millis(200);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            result = listen(&config, &wake) => {
+            result = listen(&database, &wake) => {
                 if let Err(e) = result {
                     tracing::debug!(
                         error = %inbox_domain::db::describe_db_error(&e),
@@ -33,8 +34,8 @@ pub async fn run(mut config: tokio_postgres::Config, wake: Arc<Notify>, shutdown
     }
 }
 
-async fn listen(config: &tokio_postgres::Config, wake: &Notify) -> Result<(), tokio_postgres::Error> {
-    let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
+async fn listen(database: &DatabaseConfig, wake: &Notify) -> Result<(), tokio_postgres::Error> {
+    let (client, mut connection) = database.config.connect(database.connector()).await?;
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
     let subscribe = client.batch_execute(LISTEN_SQL);
     tokio::pin!(subscribe);

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use inbox_domain::db::{build_pool, check_reachable, describe_db_error, describe_pool_error, PoolOptions};
+use inbox_domain::db::{
+    build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions,
+};
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::admin;
 use tokio::sync::Notify;
@@ -21,8 +23,8 @@ use crate::producer::{self, Capacity, Context};
 /// Validated settings of `run`.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// The inbox database (its Debug output redacts the password).
-    pub database: tokio_postgres::Config,
+    /// The inbox database and how to reach it (its Debug output redacts the password).
+    pub database: DatabaseConfig,
     pub max_attempts: i32,
     /// Events, transactions and payload bytes in flight at once.
     pub capacity: Capacity,
@@ -36,11 +38,7 @@ pub struct Settings {
 impl Settings {
     /// Checks the flags; refuses a statement timeout that is not well under the lease (a
     /// handler still running when its lease expires would race the next claimer for the row).
-    pub fn from_args(
-        database: tokio_postgres::Config,
-        max_attempts: i32,
-        args: &RunArgs,
-    ) -> anyhow::Result<Self> {
+    pub fn from_args(database: DatabaseConfig, max_attempts: i32, args: &RunArgs) -> anyhow::Result<Self> {
         if args.statement_timeout.is_zero() || args.lease.is_zero() {
             anyhow::bail!("--statement-timeout and --lease must be above 0");
         }
@@ -132,7 +130,7 @@ where
 {
     let db_timeout = settings.limits.statement_timeout.max(Duration::from_secs(5));
     let pool = build_pool(
-        settings.database.clone(),
+        &settings.database,
         &PoolOptions {
             // One per process transaction in flight, plus the claims and the gauges. A batch's
             // failures are recorded on its own connection when it is clean, else on a fresh one

@@ -21,7 +21,7 @@ pub struct TestApp {
 /// (secret C), 5 min tolerance, 64 KiB body limit, 2 s database timeout.
 pub fn test_settings(db: &TestDb) -> Settings {
     Settings {
-        database: db.config(),
+        database: db.config().into(),
         endpoints: vec![
             EndpointSpec { name: "billing".into(), secrets: vec![SECRET_A.into(), SECRET_B.into()] },
             EndpointSpec { name: "analytics".into(), secrets: vec![SECRET_C.into()] },

@@ -1,7 +1,8 @@
 //! What the end-to-end tests, the bench and the chaos run share: a database per test cloned
 //! from a migrated template ([`db`]), the ingest in-process ([`app`]) and the worker's building
 //! blocks ([`worker`]), the built binaries as processes ([`process`]), realistic signed events
-//! ([`events`]), and a TCP proxy that can refuse or swallow database connections ([`proxy`]).
+//! ([`events`]), a TCP proxy that can refuse or swallow database connections ([`proxy`]), and a
+//! PostgreSQL cluster that takes TLS connections only ([`tls`]).
 //!
 //! Every test needs `DATABASE_URL` pointing at a PostgreSQL where it may create databases
 //! (`make test` starts a local one and sets it).
@@ -11,6 +12,7 @@ pub mod db;
 pub mod events;
 pub mod process;
 pub mod proxy;
+pub mod tls;
 pub mod worker;
 
 pub use app::{spawn_app, spawn_app_with, TestApp};

@@ -18,7 +18,7 @@ use crate::db::TestDb;
 /// 2 s statement timeout, 100 ms poll.
 pub fn test_settings(db: &TestDb) -> Settings {
     Settings {
-        database: db.config(),
+        database: db.config().into(),
         max_attempts: 10,
         capacity: Capacity::new(4, 4, 32 << 20),
         lease: Duration::from_secs(10),
@@ -67,7 +67,7 @@ pub async fn spawn_worker(db: &TestDb, registry: Registry, adjust: impl FnOnce(&
 /// A pool of `size` connections to `db` (for the executor's building blocks).
 pub fn pool(db: &TestDb, size: usize) -> deadpool_postgres::Pool {
     inbox_domain::db::build_pool(
-        db.config(),
+        &db.config().into(),
         &inbox_domain::db::PoolOptions {
             max_size: size,
             timeout: Duration::from_secs(10),

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use clap::Args;
 use deadpool_postgres::Object;
-use inbox_domain::db::{build_pool, describe_pool_error, PoolOptions};
+use inbox_domain::db::{build_pool, describe_pool_error, DatabaseConfig, PoolOptions};
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::admin::{self, EventRow};
 use inbox_domain::inbox::store::TransactionLimits;
@@ -49,11 +49,7 @@ pub struct ActorArgs {
 
 /// Runs an operator command over one connection. `registry` is the binary's: `replay` runs its
 /// handlers and `migrate` applies its migrations.
-pub async fn execute(
-    command: Command,
-    database: tokio_postgres::Config,
-    registry: &Registry,
-) -> anyhow::Result<()> {
+pub async fn execute(command: Command, database: DatabaseConfig, registry: &Registry) -> anyhow::Result<()> {
     let mut conn = connect(database).await?;
     match command {
         Command::Migrate => migrate::run(&mut conn, registry).await,
@@ -68,9 +64,9 @@ pub async fn execute(
 
 /// One pooled connection (handlers take a pooled transaction, and the pool is where connection
 /// settings are applied for every binary).
-async fn connect(database: tokio_postgres::Config) -> anyhow::Result<Object> {
+async fn connect(database: DatabaseConfig) -> anyhow::Result<Object> {
     let pool = build_pool(
-        database,
+        &database,
         &PoolOptions {
             max_size: 1,
             timeout: Duration::from_secs(10),

@@ -1,10 +1,76 @@
-//! The PostgreSQL connection pool both binaries use.
+//! Connections to PostgreSQL, as both binaries make them: the connection string with its TLS
+//! settings ([`DatabaseConfig`]), pools, and error texts that name the cause.
+
+pub mod tls;
+pub mod url;
 
 use std::time::Duration;
 
 use anyhow::Context as _;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+pub use url::{RootCerts, SslMode, TlsSettings};
+
+/// Where the database is and how to reach it: tokio-postgres' settings, the TLS settings, and the
+/// connector built from them (certificate files are read when it is built, at start-up). Every
+/// connection of every binary goes through [`DatabaseConfig::connector`].
+#[derive(Clone)]
+pub struct DatabaseConfig {
+    /// Host, port, user, password, database, options… (its Debug output redacts the password).
+    pub config: tokio_postgres::Config,
+    pub tls: TlsSettings,
+    connector: MakeRustlsConnect,
+}
+
+impl DatabaseConfig {
+    /// `config` with `tls`; fails when a certificate file cannot be read or used.
+    pub fn new(config: tokio_postgres::Config, tls: TlsSettings) -> anyhow::Result<Self> {
+        let connector = tls::connector(&tls)?;
+        Ok(DatabaseConfig { config, tls, connector })
+    }
+
+    /// The TLS connector for tokio-postgres (used whatever the mode: with `disable` it never
+    /// starts TLS).
+    pub fn connector(&self) -> MakeRustlsConnect {
+        self.connector.clone()
+    }
+
+    /// One connection, outside any pool (the worker's LISTEN connection, `migrate`), with the
+    /// connection driven on the current runtime until the client is dropped.
+    pub async fn connect(
+        &self,
+        application_name: &str,
+    ) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+        let mut config = self.config.clone();
+        config.application_name(application_name);
+        let (client, connection) = config.connect(self.connector()).await?;
+        tokio::spawn(connection);
+        Ok(client)
+    }
+}
+
+impl std::fmt::Debug for DatabaseConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseConfig").field("config", &self.config).field("tls", &self.tls).finish()
+    }
+}
+
+/// A plain tokio-postgres configuration, its TLS as tokio-postgres understood it (`prefer` by
+/// default): for tests and tools that build their configuration in code.
+impl From<tokio_postgres::Config> for DatabaseConfig {
+    fn from(config: tokio_postgres::Config) -> Self {
+        use tokio_postgres::config::SslMode as Wire;
+        let mode = match config.get_ssl_mode() {
+            Wire::Disable => SslMode::Disable,
+            Wire::Require => SslMode::Require,
+            _ => SslMode::Prefer,
+        };
+        let tls = TlsSettings { mode, root_certs: None, client_cert: None };
+        let connector = tls::connector(&tls).expect("a connector that verifies nothing reads no file");
+        DatabaseConfig { config, tls, connector }
+    }
+}
 
 /// How a pool is sized and bounded.
 #[derive(Debug, Clone)]
@@ -25,11 +91,12 @@ pub struct PoolOptions {
     pub verify_on_checkout: bool,
 }
 
-/// Parses a `DATABASE_URL` (URL or key=value form). The error never repeats the URL, which may
+/// Parses a `DATABASE_URL` (URL or key=value form, with libpq's TLS settings: see [`url`] and
+/// [`tls`]) and reads the certificate files it names. The error never repeats the URL, which may
 /// hold a password.
-pub fn parse_database_url(url: &str) -> anyhow::Result<tokio_postgres::Config> {
-    url.parse::<tokio_postgres::Config>()
-        .map_err(|e| anyhow::anyhow!("DATABASE_URL is not a valid PostgreSQL connection string: {e}"))
+pub fn parse_database_url(url: &str) -> anyhow::Result<DatabaseConfig> {
+    let (config, tls) = url::split(url)?;
+    DatabaseConfig::new(config, tls)
 }
 
 /// Builds a pool. Connections are opened lazily; call [`check_reachable`] to fail fast at start-up.
@@ -37,19 +104,26 @@ pub fn parse_database_url(url: &str) -> anyhow::Result<tokio_postgres::Config> {
 /// A connection the server closed (restart, `pg_terminate_backend`) is replaced at checkout, so
 /// the service recovers by itself when the database returns; with `verify_on_checkout` also one
 /// the network dropped without a word (see [`PoolOptions::verify_on_checkout`]).
-pub fn build_pool(mut pg: tokio_postgres::Config, opts: &PoolOptions) -> anyhow::Result<Pool> {
+pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Result<Pool> {
+    let mut pg = database.config.clone();
     pg.application_name(opts.application_name);
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(opts.timeout);
     }
     if let Some(st) = opts.statement_timeout {
-        pg.options(format!("-c statement_timeout={}", st.as_millis()));
+        // After the user's own options (`options=-c search_path=…` in DATABASE_URL), not instead.
+        let limit = format!("-c statement_timeout={}", st.as_millis());
+        let options = match pg.get_options().map(str::trim) {
+            Some(user) if !user.is_empty() => format!("{user} {limit}"),
+            _ => limit,
+        };
+        pg.options(options);
     }
     pg.keepalives(true);
     pg.keepalives_idle(Duration::from_secs(30));
     let recycling_method =
         if opts.verify_on_checkout { RecyclingMethod::Verified } else { RecyclingMethod::Fast };
-    let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method });
+    let manager = Manager::from_config(pg, database.connector(), ManagerConfig { recycling_method });
     Pool::builder(manager)
         .max_size(opts.max_size)
         .wait_timeout(Some(opts.timeout))
@@ -82,6 +156,7 @@ pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
     if let Some(db) = e.as_db_error() {
         return format!("{} ({})", db.message(), db.code().code());
     }
+    let hint = tls::hint(e);
     let mut text = e.to_string();
     let mut source = std::error::Error::source(e);
     while let Some(cause) = source {
@@ -91,6 +166,10 @@ pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
             text.push_str(&cause_text);
         }
         source = cause.source();
+    }
+    if let Some(hint) = hint {
+        text.push_str(": ");
+        text.push_str(hint);
     }
     text
 }

@@ -1,0 +1,221 @@
+//! A PostgreSQL cluster of its own that takes TCP connections over TLS only (`hostssl` in
+//! `pg_hba.conf`), with certificates made at start: a CA and a server certificate it signs for
+//! `localhost`, another CA that signs nothing of this server, and a client certificate for the
+//! role `inbox_cert`, which may log in by certificate only.
+//!
+//! Needs `initdb`, `pg_ctl`, `psql` and `openssl` on PATH; as root, the server runs as the
+//! `postgres` user, as `scripts/pg.sh` runs the shared cluster.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A running TLS-only cluster, stopped and deleted when dropped.
+pub struct TlsCluster {
+    dir: PathBuf,
+    pub port: u16,
+    /// The CA that signed the server's certificate (PEM).
+    pub ca: PathBuf,
+    /// A CA that signed nothing of this server (PEM).
+    pub other_ca: PathBuf,
+    /// The client certificate and key of role `inbox_cert` (PEM), signed by [`TlsCluster::ca`].
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+fn running_as_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::geteuid() == 0
+    }
+}
+
+/// `program args…`, as the `postgres` user when we are root.
+fn as_server(program: &str) -> Command {
+    if running_as_root() {
+        let mut cmd = Command::new("runuser");
+        cmd.args(["-u", "postgres", "--", program]).current_dir("/");
+        cmd
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(mut cmd: Command, what: &str) {
+    let output = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let mut cmd = Command::new("openssl");
+    cmd.current_dir(dir).args(args);
+    run(cmd, &format!("openssl {}", args.join(" ")));
+}
+
+/// A P-256 key and a certificate for `subject`: self-signed (a CA) or signed by `ca` with
+/// `extensions` (an openssl extension section's lines).
+fn certificate(dir: &Path, name: &str, subject: &str, ca: Option<&str>, extensions: &str) {
+    let key = format!("{name}.key");
+    let pem = format!("{name}.pem");
+    openssl(dir, &["ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", &key]);
+    // PKCS#8, the form every client library reads.
+    openssl(dir, &["pkcs8", "-topk8", "-nocrypt", "-in", &key, "-out", &format!("{name}.p8")]);
+    std::fs::rename(dir.join(format!("{name}.p8")), dir.join(&key)).unwrap();
+    match ca {
+        None => openssl(
+            dir,
+            &[
+                "req",
+                "-x509",
+                "-new",
+                "-key",
+                &key,
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-subj",
+                subject,
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ],
+        ),
+        Some(ca) => {
+            let csr = format!("{name}.csr");
+            let ext = format!("{name}.ext");
+            std::fs::write(dir.join(&ext), extensions).unwrap();
+            openssl(dir, &["req", "-new", "-key", &key, "-out", &csr, "-subj", subject]);
+            openssl(
+                dir,
+                &[
+                    "x509",
+                    "-req",
+                    "-in",
+                    &csr,
+                    "-CA",
+                    &format!("{ca}.pem"),
+                    "-CAkey",
+                    &format!("{ca}.key"),
+                    "-CAcreateserial",
+                    "-out",
+                    &pem,
+                    "-days",
+                    "2",
+                    "-extfile",
+                    &ext,
+                ],
+            );
+        }
+    }
+}
+
+impl TlsCluster {
+    /// Makes the certificates, creates and starts the cluster, and creates database `inbox` and
+    /// role `inbox_cert` (superuser, certificate login only). Blocking: call it off the runtime.
+    pub fn start() -> TlsCluster {
+        let dir = std::env::temp_dir().join(format!(
+            "inbox-tls-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        certificate(&dir, "ca", "/CN=stripe-inbox test CA", None, "");
+        certificate(&dir, "other-ca", "/CN=another test CA", None, "");
+        certificate(
+            &dir,
+            "server",
+            "/CN=localhost",
+            Some("ca"),
+            "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
+        );
+        certificate(
+            &dir,
+            "client",
+            "/CN=inbox_cert",
+            Some("ca"),
+            "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n",
+        );
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let data = dir.join("data");
+        if running_as_root() {
+            let mut chown = Command::new("chown");
+            chown.args(["-R", "postgres:postgres"]).arg(&dir);
+            run(chown, "chown");
+        }
+        let mut initdb = as_server("initdb");
+        initdb.arg("-D").arg(&data).args(["-U", "postgres", "-E", "UTF8", "--locale=C", "--auth=trust"]);
+        run(initdb, "initdb");
+        let conf = format!(
+            "listen_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{dir}'\n\
+             ssl = on\nssl_cert_file = '{dir}/server.pem'\nssl_key_file = '{dir}/server.key'\n\
+             ssl_ca_file = '{dir}/ca.pem'\nfsync = off\nmax_connections = 40\n",
+            dir = dir.display()
+        );
+        let hba = "local all all trust\n\
+                   hostssl all inbox_cert 127.0.0.1/32 cert\n\
+                   hostssl all all 127.0.0.1/32 trust\n";
+        // Written by the server's user: the files are in its directory.
+        for (file, text) in [("postgresql.auto.conf", conf.as_str()), ("pg_hba.conf", hba)] {
+            let mut tee = as_server("tee");
+            tee.arg(data.join(file)).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::null());
+            let mut child = tee.spawn().unwrap();
+            std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+            assert!(child.wait().unwrap().success(), "writing {file}");
+        }
+        let mut chmod = as_server("chmod");
+        chmod.arg("600").arg(dir.join("server.key"));
+        run(chmod, "chmod server.key");
+        let mut start = as_server("pg_ctl");
+        start.arg("-D").arg(&data).arg("-l").arg(dir.join("postgres.log")).args(["-w", "-t", "60", "start"]);
+        run(start, "pg_ctl start");
+        let mut psql = Command::new("psql");
+        psql.args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-h"])
+            .arg(&dir)
+            .args(["-p", &port.to_string()])
+            .args([
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-c",
+                "CREATE DATABASE inbox",
+                "-c",
+                "CREATE ROLE inbox_cert SUPERUSER LOGIN",
+            ]);
+        run(psql, "psql");
+        TlsCluster {
+            ca: dir.join("ca.pem"),
+            other_ca: dir.join("other-ca.pem"),
+            client_cert: dir.join("client.pem"),
+            client_key: dir.join("client.key"),
+            dir,
+            port,
+        }
+    }
+
+    /// `postgres://{user}@{host}:{port}/inbox?{params}`. `host` is what the certificate is checked
+    /// against; the connection goes to 127.0.0.1 whatever it is (`hostaddr`).
+    pub fn url(&self, user: &str, host: &str, params: &str) -> String {
+        format!("postgres://{user}@{host}:{}/inbox?hostaddr=127.0.0.1&{params}", self.port)
+    }
+}
+
+impl Drop for TlsCluster {
+    fn drop(&mut self) {
+        let mut stop = as_server("pg_ctl");
+        stop.arg("-D").arg(self.dir.join("data")).args(["-m", "immediate", "-w", "stop"]);
+        let _ = stop.output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
