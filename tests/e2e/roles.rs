@@ -1,0 +1,129 @@
+//! deploy/roles.sql: each component runs under its own role, allowed what it does and refused the
+//! rest; applying the file twice is harmless; operator_audit records the database role and the
+//! client address the change came from, which an operator cannot forge.
+
+use std::time::Duration;
+
+use inbox_domain::handler::Registry;
+use inbox_test_support::db::{admin_url, scalar, url_with_dbname};
+use inbox_test_support::events::invoice_paid;
+use inbox_test_support::process::{command, run};
+use inbox_test_support::worker::{eventually, spawn_worker};
+use inbox_test_support::{spawn_app_with, TestDb};
+use tokio_postgres::error::SqlState;
+
+const ROLES_SQL: &str = include_str!("../../deploy/roles.sql");
+
+/// `db`'s URL for `role` (the local cluster trusts 127.0.0.1: no password).
+fn url_as(db: &TestDb, role: &str) -> String {
+    let url = url_with_dbname(&admin_url(), &db.name);
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{role}@{host}")
+}
+
+fn config_as(db: &TestDb, role: &str) -> tokio_postgres::Config {
+    let mut config = db.config();
+    config.user(role);
+    config
+}
+
+/// `sql` run as `role` must be refused for lack of privilege.
+async fn forbidden(db: &TestDb, role: &str, sql: &str) {
+    let client = inbox_test_support::db::connect(&config_as(db, role)).await;
+    let error = client.batch_execute(sql).await.expect_err(&format!("{role} must not run: {sql}"));
+    assert_eq!(error.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{role}: {sql}: {error}");
+}
+
+#[tokio::test]
+async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying deploy/roles.sql");
+    admin.batch_execute(ROLES_SQL).await.expect("applying it again is harmless");
+
+    // The ingest, as inbox_ingest, stores an event (and its /readyz reads the schema version).
+    let ingest_config = config_as(&db, "inbox_ingest");
+    let app = spawn_app_with(db, move |s| s.database = ingest_config.into()).await;
+    let reply = app.post_signed(invoice_paid("evt_roles", "in_roles", 100)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert_eq!(app.get("/readyz").await.status, 200);
+    let db = &app.db;
+    forbidden(db, "inbox_ingest", "UPDATE webhook_inbox SET attempts = 0").await;
+    forbidden(db, "inbox_ingest", "SELECT payload FROM webhook_inbox").await;
+    forbidden(
+        db,
+        "inbox_ingest",
+        "INSERT INTO ledger_entries (invoice_id, kind, amount) VALUES ('x', 'payment', 1)",
+    )
+    .await;
+
+    // The worker, as inbox_worker, processes it.
+    let worker_config = config_as(db, "inbox_worker");
+    let worker =
+        spawn_worker(db, Registry::with_invoice_handlers(), move |s| s.database = worker_config.into()).await;
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            scalar(&admin, "SELECT count(*) FROM ledger_entries WHERE invoice_id = 'in_roles'").await == 1
+        })
+        .await,
+        "the worker processed the event as inbox_worker"
+    );
+    worker.stop().await;
+    forbidden(db, "inbox_worker", "DELETE FROM webhook_inbox").await;
+    forbidden(
+        db,
+        "inbox_worker",
+        "INSERT INTO operator_audit (actor, action, target, affected) VALUES ('w', 'x', '{}', 0)",
+    )
+    .await;
+    forbidden(db, "inbox_worker", "DROP TABLE invoices").await;
+
+    // Operators, as inbox_operator: commands work, the audit trail is insert-only and says who.
+    let (code, output) = operator(db, &["replay", "--event-id", "evt_roles", "--actor", "alice"]).await;
+    assert_eq!(code, 0, "{output}");
+    let (code, output) = operator(db, &["stats"]).await;
+    assert_eq!(code, 0, "{output}");
+    let audit =
+        admin.query_one("SELECT actor, db_user, host(client_addr) FROM operator_audit", &[]).await.unwrap();
+    assert_eq!(
+        (audit.get::<_, String>(0), audit.get::<_, String>(1), audit.get::<_, String>(2)),
+        ("alice".to_owned(), "inbox_operator".to_owned(), "127.0.0.1".to_owned()),
+        "the database records who the self-declared actor logged in as, and from where"
+    );
+    forbidden(db, "inbox_operator", "DELETE FROM operator_audit").await;
+    forbidden(db, "inbox_operator", "UPDATE operator_audit SET actor = 'mallory'").await;
+    forbidden(
+        db,
+        "inbox_operator",
+        "INSERT INTO operator_audit (actor, action, target, affected, db_user) VALUES ('a', 'b', '{}', 0, 'someone')",
+    )
+    .await;
+
+    // Metrics, as inbox_metrics: the KEDA count, not the payloads.
+    let metrics = inbox_test_support::db::connect(&config_as(db, "inbox_metrics")).await;
+    let ready: i64 = metrics
+        .query_one(
+            "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL AND available_at <= now()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(ready, 0);
+    forbidden(db, "inbox_metrics", "SELECT payload FROM webhook_inbox").await;
+    forbidden(db, "inbox_metrics", "UPDATE webhook_inbox SET attempts = 0").await;
+
+    // The owner migrates.
+    let mut migrate = command("inbox-worker");
+    migrate.env("DATABASE_URL", url_as(db, "inbox_owner")).arg("migrate");
+    let (code, output) =
+        tokio::task::spawn_blocking(move || run(migrate, Duration::from_secs(30))).await.unwrap();
+    assert_eq!(code, 0, "migrate as inbox_owner: {output}");
+}
+
+async fn operator(db: &TestDb, args: &[&str]) -> (i32, String) {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", url_as(db, "inbox_operator")).args(args);
+    tokio::task::spawn_blocking(move || run(cmd, Duration::from_secs(30))).await.unwrap()
+}
