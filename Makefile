@@ -52,6 +52,10 @@ bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); t
 	$(CARGO) build --release --bins $(PRODUCT) -p inbox-bench
 	$(WITH_DB) target/release/bench $(BENCH_ARGS)
 
+.PHONY: deps
+deps: ## Install what the tests need beyond the toolchain and PostgreSQL (pgbouncer), if missing
+	scripts/ci-deps.sh
+
 lint: ## rustfmt check and clippy with warnings as errors
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

@@ -12,6 +12,7 @@ mod invoice_order;
 mod metric_names;
 mod migrate;
 mod operator;
+mod pgbouncer;
 mod roles;
 mod tls;
 mod worker_process;

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use actix_web::web::Bytes;
 use deadpool_postgres::Pool;
+use inbox_domain::db::Pooler;
 use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent};
 use inbox_domain::PROVIDER_STRIPE;
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
@@ -62,12 +63,19 @@ pub struct Batcher {
 
 impl Batcher {
     /// Starts `writers` writer tasks on the current runtime. They stop when every handle is dropped.
-    pub fn start(pool: Pool, writers: usize, db_timeout: Duration, metrics: Metrics) -> Batcher {
+    pub fn start(
+        pool: Pool,
+        pooler: Pooler,
+        writers: usize,
+        db_timeout: Duration,
+        metrics: Metrics,
+    ) -> Batcher {
+        let target = Target { pool, pooler, timeout: db_timeout };
         let (queue, rx) = mpsc::channel(MAX_BATCH * writers.max(1) * 4);
         let shared =
             Arc::new(Writers { queue: Mutex::new(rx), writing: AtomicUsize::new(0), changed: Notify::new() });
         for _ in 0..writers.max(1) {
-            tokio::spawn(writer(shared.clone(), pool.clone(), db_timeout, metrics.clone()));
+            tokio::spawn(writer(shared.clone(), target.clone(), metrics.clone()));
         }
         Batcher { queue, writers: shared }
     }
@@ -97,7 +105,16 @@ impl Batcher {
     }
 }
 
-async fn writer(shared: Arc<Writers>, pool: Pool, db_timeout: Duration, metrics: Metrics) {
+/// Where and how batches are written.
+#[derive(Clone)]
+struct Target {
+    pool: Pool,
+    pooler: Pooler,
+    /// Bound on a connection plus the insert, and the insert's server-side statement timeout.
+    timeout: Duration,
+}
+
+async fn writer(shared: Arc<Writers>, target: Target, metrics: Metrics) {
     loop {
         let (_writing, batch) = {
             let mut rx = shared.queue.lock().await;
@@ -118,7 +135,7 @@ async fn writer(shared: Arc<Writers>, pool: Pool, db_timeout: Duration, metrics:
             (Writing::start(&shared), batch)
         };
         metrics.batch(batch.len());
-        write(&pool, db_timeout, batch).await;
+        write(&target, batch).await;
     }
 }
 
@@ -140,7 +157,7 @@ impl Drop for Writing<'_> {
 }
 
 /// Writes one batch and answers every request in it.
-async fn write(pool: &Pool, db_timeout: Duration, batch: Vec<Pending>) {
+async fn write(target: &Target, batch: Vec<Pending>) {
     // One row per key: the first request of a key decides, the others are its duplicates.
     let mut first_of: HashMap<(&str, &str), usize> = HashMap::new();
     let mut rows = Vec::with_capacity(batch.len());
@@ -154,7 +171,7 @@ async fn write(pool: &Pool, db_timeout: Duration, batch: Vec<Pending>) {
             });
         }
     }
-    let result = insert(pool, db_timeout, &rows).await;
+    let result = insert(target, &rows).await;
     let answers: Vec<Result<InsertOutcome, IngestError>> = match result {
         Ok(inserted) => batch
             .iter()
@@ -180,7 +197,7 @@ async fn write(pool: &Pool, db_timeout: Duration, batch: Vec<Pending>) {
                     event_type: &p.event_type,
                     payload: &p.payload,
                 };
-                answers.push(match insert(pool, db_timeout, std::slice::from_ref(&row)).await {
+                answers.push(match insert(target, std::slice::from_ref(&row)).await {
                     Ok(inserted) if first && !inserted.is_empty() => Ok(InsertOutcome::Accepted),
                     Ok(_) => Ok(InsertOutcome::Duplicate),
                     Err(e) => Err(e.into()),
@@ -216,19 +233,17 @@ impl From<BatchError> for IngestError {
     }
 }
 
-async fn insert(
-    pool: &Pool,
-    db_timeout: Duration,
-    rows: &[NewEvent<'_>],
-) -> Result<HashSet<(String, String)>, BatchError> {
+async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(String, String)>, BatchError> {
     let work = async {
-        let client = pool.get().await.map_err(|e| {
+        let client = target.pool.get().await.map_err(|e| {
             tracing::debug!(error = %inbox_domain::db::describe_pool_error(&e), "no database connection");
             BatchError::Unavailable("no connection")
         })?;
-        store::insert_events(&client, PROVIDER_STRIPE, rows).await.map_err(classify)
+        store::insert_events(&client, target.pooler, PROVIDER_STRIPE, rows, target.timeout)
+            .await
+            .map_err(classify)
     };
-    match tokio::time::timeout(db_timeout, work).await {
+    match tokio::time::timeout(target.timeout, work).await {
         Ok(Ok(inserted)) => Ok(inserted.into_iter().collect()),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(BatchError::Unavailable("timed out")),

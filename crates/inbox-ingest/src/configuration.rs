@@ -8,7 +8,7 @@ use clap::Parser;
 use inbox_domain::config::{
     parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec,
 };
-use inbox_domain::db::DatabaseConfig;
+use inbox_domain::db::{DatabaseConfig, Pooler};
 use inbox_domain::telemetry::LogFormat;
 
 /// Receives Stripe webhooks: verifies each signature on the raw body and commits the event to the
@@ -61,6 +61,12 @@ pub struct Cli {
     #[arg(long, env = "INBOX_BODY_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub body_timeout: Duration,
 
+    /// What is between this process and PostgreSQL: `none` (the server, or a session-mode pool)
+    /// or `transaction` (a transaction-mode pool such as PgBouncer's: no statement is kept from
+    /// one transaction to the next).
+    #[arg(long, env = "INBOX_DB_POOLER", default_value = "none", value_name = "none|transaction")]
+    pub db_pooler: Pooler,
+
     /// Log format [default: text on a terminal, else json].
     #[arg(long, env = "LOG_FORMAT", value_name = "json|text")]
     pub log_format: Option<LogFormat>,
@@ -86,7 +92,8 @@ pub struct Settings {
 impl Cli {
     /// Checks everything that can be checked before touching the network.
     pub fn into_settings(self) -> anyhow::Result<Settings> {
-        let database = inbox_domain::db::parse_database_url(&self.database_url)?;
+        let mut database = inbox_domain::db::parse_database_url(&self.database_url)?;
+        database.pooler = self.db_pooler;
         let mut entries = self.endpoints;
         if let Some(path) = &self.endpoints_file {
             let text = std::fs::read_to_string(path)

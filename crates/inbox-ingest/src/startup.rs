@@ -87,7 +87,6 @@ impl Application {
                 max_size: settings.pool_size,
                 timeout: settings.db_timeout,
                 application_name: "inbox-ingest",
-                statement_timeout: Some(settings.db_timeout),
                 verify_on_checkout: true,
             },
         )?;
@@ -97,7 +96,13 @@ impl Application {
         let metrics = Metrics::new();
         // Leave a couple of connections for readiness checks and the wake-up NOTIFY.
         let writers = settings.pool_size.saturating_sub(2).max(1);
-        let batcher = Batcher::start(pool.clone(), writers, settings.db_timeout, metrics.clone());
+        let batcher = Batcher::start(
+            pool.clone(),
+            settings.database.pooler,
+            writers,
+            settings.db_timeout,
+            metrics.clone(),
+        );
         let wake_workers = Arc::new(Notify::new());
         let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
         let state = web::Data::new(AppState {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use inbox_domain::config::{parse_byte_size, parse_duration};
+use inbox_domain::db::Pooler;
 use inbox_domain::telemetry::LogFormat;
 
 use crate::ops;
@@ -41,6 +42,18 @@ pub struct GlobalArgs {
     #[arg(long, global = true, env = "INBOX_MAX_ATTEMPTS", default_value_t = 10,
           value_parser = clap::value_parser!(i32).range(1..=1000))]
     pub max_attempts: i32,
+
+    /// What is between this process and PostgreSQL: `none` (the server, or a session-mode pool)
+    /// or `transaction` (a transaction-mode pool such as PgBouncer's: workers then poll instead of
+    /// LISTENing, and `migrate` is refused: it needs a session).
+    #[arg(
+        long,
+        global = true,
+        env = "INBOX_DB_POOLER",
+        default_value = "none",
+        value_name = "none|transaction"
+    )]
+    pub db_pooler: Pooler,
 
     /// Log format [default: text on a terminal, else json].
     #[arg(long, global = true, env = "LOG_FORMAT", value_name = "json|text")]

@@ -114,7 +114,8 @@ async fn dispatch(cli: cli::Cli, registry: Registry) -> anyhow::Result<()> {
         .database_url
         .as_deref()
         .ok_or_else(|| anyhow::anyhow!("no database: set DATABASE_URL or pass --database-url"))?;
-    let database = inbox_domain::db::parse_database_url(url)?;
+    let mut database = inbox_domain::db::parse_database_url(url)?;
+    database.pooler = cli.global.db_pooler;
     let max_attempts = cli.global.max_attempts;
     match cli.command {
         cli::Command::Run(args) => {

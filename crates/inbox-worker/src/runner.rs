@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use inbox_domain::db::{
-    build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions,
+    build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions, Pooler,
 };
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::admin;
@@ -138,7 +138,6 @@ where
             max_size: settings.capacity.transactions + 2,
             timeout: db_timeout,
             application_name: "inbox-worker",
-            statement_timeout: None,
             // Every use below is bounded by a deadline (`Context::db_timeout`, the executor's
             // `Limits::deadline`) and a connection is discarded after any error, so the round
             // trip a verification costs on every checkout buys nothing here.
@@ -161,7 +160,16 @@ where
         tokio::spawn(refresh_gauges(pool.clone(), metrics.clone(), background.clone()));
     }
     let wake = Arc::new(Notify::new());
-    tokio::spawn(crate::listener::run(settings.database.clone(), wake.clone(), background.clone()));
+    if settings.database.pooler == Pooler::Transaction {
+        // A notification goes to the server connection that LISTENed, which a transaction pool
+        // hands to other clients: new rows are found by polling.
+        tracing::info!(
+            poll_interval_s = settings.poll_interval.as_secs_f64(),
+            "behind a transaction pooler: no LISTEN wake-ups, polling for new rows"
+        );
+    } else {
+        tokio::spawn(crate::listener::run(settings.database.clone(), wake.clone(), background.clone()));
+    }
 
     tracing::info!(
         concurrency = settings.capacity.events,

@@ -1,8 +1,9 @@
 //! What the end-to-end tests, the bench and the chaos run share: a database per test cloned
 //! from a migrated template ([`db`]), the ingest in-process ([`app`]) and the worker's building
 //! blocks ([`worker`]), the built binaries as processes ([`process`]), realistic signed events
-//! ([`events`]), a TCP proxy that can refuse or swallow database connections ([`proxy`]), and a
-//! PostgreSQL cluster that takes TLS connections only ([`tls`]).
+//! ([`events`]), a TCP proxy that can refuse or swallow database connections ([`proxy`]), a
+//! PostgreSQL cluster that takes TLS connections only ([`tls`]) and a PgBouncer in transaction
+//! mode ([`pgbouncer`]).
 //!
 //! Every test needs `DATABASE_URL` pointing at a PostgreSQL where it may create databases
 //! (`make test` starts a local one and sets it).
@@ -10,6 +11,7 @@
 pub mod app;
 pub mod db;
 pub mod events;
+pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod tls;

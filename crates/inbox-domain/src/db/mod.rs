@@ -12,6 +12,36 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 pub use url::{RootCerts, SslMode, TlsSettings};
 
+/// What stands between the binaries and PostgreSQL (`--db-pooler`, `INBOX_DB_POOLER`).
+///
+/// Every statement of this project runs inside one transaction or is sent unnamed, and limits are
+/// set per transaction, so a direct connection and a session-mode pool need nothing special. A
+/// transaction-mode pool (PgBouncer's `pool_mode = transaction`) gives each transaction whatever
+/// server connection is free: a statement prepared in one transaction is gone in the next (or is
+/// another client's), notifications have nowhere to go, and a session's advisory lock ends with
+/// its transaction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Pooler {
+    /// The server, or a pool that keeps a server connection per client session.
+    #[default]
+    None,
+    /// A transaction-mode pool: the ingest's insert is sent unnamed instead of prepared once per
+    /// connection, workers find new rows by polling (no LISTEN), and `migrate` is refused (its
+    /// lock needs a session).
+    Transaction,
+}
+
+impl std::str::FromStr for Pooler {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Pooler::None),
+            "transaction" => Ok(Pooler::Transaction),
+            _ => Err("expected `none` (the server or a session-mode pool) or `transaction`".to_owned()),
+        }
+    }
+}
+
 /// Where the database is and how to reach it: tokio-postgres' settings, the TLS settings, and the
 /// connector built from them (certificate files are read when it is built, at start-up). Every
 /// connection of every binary goes through [`DatabaseConfig::connector`].
@@ -20,6 +50,8 @@ pub struct DatabaseConfig {
     /// Host, port, user, password, database, options… (its Debug output redacts the password).
     pub config: tokio_postgres::Config,
     pub tls: TlsSettings,
+    /// A transaction-mode pool in between, or not.
+    pub pooler: Pooler,
     connector: MakeRustlsConnect,
 }
 
@@ -27,7 +59,7 @@ impl DatabaseConfig {
     /// `config` with `tls`; fails when a certificate file cannot be read or used.
     pub fn new(config: tokio_postgres::Config, tls: TlsSettings) -> anyhow::Result<Self> {
         let connector = tls::connector(&tls)?;
-        Ok(DatabaseConfig { config, tls, connector })
+        Ok(DatabaseConfig { config, tls, pooler: Pooler::None, connector })
     }
 
     /// The TLS connector for tokio-postgres (used whatever the mode: with `disable` it never
@@ -52,7 +84,11 @@ impl DatabaseConfig {
 
 impl std::fmt::Debug for DatabaseConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DatabaseConfig").field("config", &self.config).field("tls", &self.tls).finish()
+        f.debug_struct("DatabaseConfig")
+            .field("config", &self.config)
+            .field("tls", &self.tls)
+            .field("pooler", &self.pooler)
+            .finish()
     }
 }
 
@@ -68,7 +104,7 @@ impl From<tokio_postgres::Config> for DatabaseConfig {
         };
         let tls = TlsSettings { mode, root_certs: None, client_cert: None };
         let connector = tls::connector(&tls).expect("a connector that verifies nothing reads no file");
-        DatabaseConfig { config, tls, connector }
+        DatabaseConfig { config, tls, pooler: Pooler::None, connector }
     }
 }
 
@@ -81,8 +117,6 @@ pub struct PoolOptions {
     pub timeout: Duration,
     /// `application_name` shown in `pg_stat_activity`, so operators can tell the roles apart.
     pub application_name: &'static str,
-    /// Server-side `statement_timeout` for every statement of these sessions (None: server default).
-    pub statement_timeout: Option<Duration>,
     /// Run an empty query on every checkout (`Verified` recycling) instead of only checking that
     /// the connection is not known to be closed (`Fast`). Verified notices a connection the
     /// network dropped silently before it is used, at one round trip per checkout; callers that
@@ -100,6 +134,8 @@ pub fn parse_database_url(url: &str) -> anyhow::Result<DatabaseConfig> {
 }
 
 /// Builds a pool. Connections are opened lazily; call [`check_reachable`] to fail fast at start-up.
+/// Nothing is set at connect (no `options`): limits are set per transaction where they are needed,
+/// which keeps the user's own `options` and works through PgBouncer in transaction mode.
 ///
 /// A connection the server closed (restart, `pg_terminate_backend`) is replaced at checkout, so
 /// the service recovers by itself when the database returns; with `verify_on_checkout` also one
@@ -109,15 +145,6 @@ pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Resu
     pg.application_name(opts.application_name);
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(opts.timeout);
-    }
-    if let Some(st) = opts.statement_timeout {
-        // After the user's own options (`options=-c search_path=…` in DATABASE_URL), not instead.
-        let limit = format!("-c statement_timeout={}", st.as_millis());
-        let options = match pg.get_options().map(str::trim) {
-            Some(user) if !user.is_empty() => format!("{user} {limit}"),
-            _ => limit,
-        };
-        pg.options(options);
     }
     pg.keepalives(true);
     pg.keepalives_idle(Duration::from_secs(30));

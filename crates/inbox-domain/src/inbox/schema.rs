@@ -188,7 +188,7 @@ async fn current_version_in(
     } else {
         format!("SELECT max(version) FROM {history_table}")
     };
-    match client.query_one(&sql, &[]).await {
+    match client.query_typed_one(&sql, &[]).await {
         Ok(row) => Ok(row.get::<_, Option<i32>>(0)),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => Ok(None),
         Err(e) => Err(db_error(&format!("reading the schema version from {history_table}"), &e)),

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use clap::Args;
 use deadpool_postgres::Object;
-use inbox_domain::db::{build_pool, describe_pool_error, DatabaseConfig, PoolOptions};
+use inbox_domain::db::{build_pool, describe_pool_error, DatabaseConfig, PoolOptions, Pooler};
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::admin::{self, EventRow};
 use inbox_domain::inbox::store::TransactionLimits;
@@ -50,6 +50,13 @@ pub struct ActorArgs {
 /// Runs an operator command over one connection. `registry` is the binary's: `replay` runs its
 /// handlers and `migrate` applies its migrations.
 pub async fn execute(command: Command, database: DatabaseConfig, registry: &Registry) -> anyhow::Result<()> {
+    if matches!(command, Command::Migrate) && database.pooler == Pooler::Transaction {
+        anyhow::bail!(
+            "migrate holds a session-level lock (so that two migrations never run at once), which a \
+             transaction pooler does not keep: run it against the server or a session-mode pool, \
+             with INBOX_DB_POOLER=none"
+        );
+    }
     let mut conn = connect(database).await?;
     match command {
         Command::Migrate => migrate::run(&mut conn, registry).await,
@@ -71,7 +78,6 @@ async fn connect(database: DatabaseConfig) -> anyhow::Result<Object> {
             max_size: 1,
             timeout: Duration::from_secs(10),
             application_name: APPLICATION_NAME,
-            statement_timeout: None,
             verify_on_checkout: true,
         },
     )?;

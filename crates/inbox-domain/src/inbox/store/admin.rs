@@ -7,7 +7,7 @@
 use std::time::SystemTime;
 
 use serde::Serialize;
-use tokio_postgres::types::Json;
+use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres::GenericClient;
 
 use crate::PROVIDER_STRIPE;
@@ -76,7 +76,7 @@ pub struct EventTypeStats {
 
 /// Runs [`STATS_SQL`].
 pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_postgres::Error> {
-    let rows = client.query(STATS_SQL, &[&PROVIDER_STRIPE]).await?;
+    let rows = client.query_typed(STATS_SQL, &[(&PROVIDER_STRIPE, Type::TEXT)]).await?;
     let mut stats = Stats {
         unprocessed: 0,
         ready: 0,
@@ -145,7 +145,7 @@ pub struct QueueGauges {
 pub async fn queue_gauges(
     client: &(impl GenericClient + Sync),
 ) -> Result<QueueGauges, tokio_postgres::Error> {
-    let row = client.query_one(QUEUE_GAUGES_SQL, &[]).await?;
+    let row = client.query_typed_one(QUEUE_GAUGES_SQL, &[]).await?;
     Ok(QueueGauges {
         unprocessed: row.get("unprocessed"),
         oldest_unprocessed_age_seconds: row.get("oldest_unprocessed_age_seconds"),
@@ -192,7 +192,8 @@ pub async fn parked_rows(
     client: &(impl GenericClient + Sync),
     limit: i64,
 ) -> Result<Vec<ParkedRow>, tokio_postgres::Error> {
-    let rows = client.query(PARKED_ROWS_SQL, &[&PROVIDER_STRIPE, &limit]).await?;
+    let rows =
+        client.query_typed(PARKED_ROWS_SQL, &[(&PROVIDER_STRIPE, Type::TEXT), (&limit, Type::INT8)]).await?;
     Ok(rows
         .iter()
         .map(|r| ParkedRow {
@@ -244,7 +245,9 @@ pub async fn lock_event(
     event_id: &str,
     endpoint: Option<&str>,
 ) -> Result<Vec<EventRow>, tokio_postgres::Error> {
-    let rows = tx.query(LOCK_EVENT_SQL, &[&PROVIDER_STRIPE, &event_id, &endpoint]).await?;
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&PROVIDER_STRIPE, Type::TEXT), (&event_id, Type::TEXT), (&endpoint, Type::TEXT)];
+    let rows = tx.query_typed(LOCK_EVENT_SQL, &params).await?;
     Ok(rows
         .iter()
         .map(|r| EventRow {
@@ -291,7 +294,9 @@ pub async fn lock_parked(
     event_type: Option<&str>,
     error_pattern: Option<&str>,
 ) -> Result<Vec<RequeueRow>, tokio_postgres::Error> {
-    let rows = tx.query(LOCK_PARKED_SQL, &[&PROVIDER_STRIPE, &event_type, &error_pattern]).await?;
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&PROVIDER_STRIPE, Type::TEXT), (&event_type, Type::TEXT), (&error_pattern, Type::TEXT)];
+    let rows = tx.query_typed(LOCK_PARKED_SQL, &params).await?;
     Ok(rows
         .iter()
         .map(|r| RequeueRow {
@@ -320,7 +325,11 @@ pub async fn requeue(
 ) -> Result<u64, tokio_postgres::Error> {
     let endpoints: Vec<&str> = rows.iter().map(|r| r.endpoint.as_str()).collect();
     let event_ids: Vec<&str> = rows.iter().map(|r| r.event_id.as_str()).collect();
-    tx.execute(REQUEUE_SQL, &[&PROVIDER_STRIPE, &endpoints, &event_ids]).await
+    tx.execute_typed(
+        REQUEUE_SQL,
+        &[(&PROVIDER_STRIPE, Type::TEXT), (&endpoints, Type::TEXT_ARRAY), (&event_ids, Type::TEXT_ARRAY)],
+    )
+    .await
 }
 
 // ------------------------------------------------------------------------------------ purge
@@ -336,7 +345,7 @@ pub async fn purge_cutoff(
     client: &(impl GenericClient + Sync),
     older_than_seconds: f64,
 ) -> Result<(SystemTime, String), tokio_postgres::Error> {
-    let row = client.query_one(PURGE_CUTOFF_SQL, &[&older_than_seconds]).await?;
+    let row = client.query_typed_one(PURGE_CUTOFF_SQL, &[(&older_than_seconds, Type::FLOAT8)]).await?;
     Ok((row.get(0), row.get(1)))
 }
 
@@ -351,7 +360,10 @@ pub async fn purge_count(
     client: &(impl GenericClient + Sync),
     cutoff: SystemTime,
 ) -> Result<i64, tokio_postgres::Error> {
-    Ok(client.query_one(PURGE_COUNT_SQL, &[&PROVIDER_STRIPE, &cutoff]).await?.get(0))
+    Ok(client
+        .query_typed_one(PURGE_COUNT_SQL, &[(&PROVIDER_STRIPE, Type::TEXT), (&cutoff, Type::TIMESTAMPTZ)])
+        .await?
+        .get(0))
 }
 
 /// One purge batch, one autocommit statement (its own transaction, so a long purge holds no
@@ -373,7 +385,12 @@ pub async fn purge_batch(
     cutoff: SystemTime,
     batch_size: i64,
 ) -> Result<u64, tokio_postgres::Error> {
-    client.execute(PURGE_BATCH_SQL, &[&PROVIDER_STRIPE, &cutoff, &batch_size]).await
+    client
+        .execute_typed(
+            PURGE_BATCH_SQL,
+            &[(&PROVIDER_STRIPE, Type::TEXT), (&cutoff, Type::TIMESTAMPTZ), (&batch_size, Type::INT8)],
+        )
+        .await
 }
 
 // ------------------------------------------------------------------------------------ audit
@@ -395,6 +412,8 @@ pub async fn insert_audit(
     affected: u64,
 ) -> Result<i64, tokio_postgres::Error> {
     let affected = i32::try_from(affected).unwrap_or(i32::MAX);
-    let row = client.query_one(INSERT_AUDIT_SQL, &[&actor, &action, target, &affected]).await?;
+    let params: [(&(dyn ToSql + Sync), Type); 4] =
+        [(&actor, Type::TEXT), (&action, Type::TEXT), (target, Type::JSONB), (&affected, Type::INT4)];
+    let row = client.query_typed_one(INSERT_AUDIT_SQL, &params).await?;
     Ok(row.get(0))
 }

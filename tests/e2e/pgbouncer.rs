@@ -1,0 +1,114 @@
+//! Through PgBouncer in transaction mode (Debian's 1.18) with `INBOX_DB_POOLER=transaction`: the
+//! ingest and the worker do their whole job — concurrent and duplicate deliveries stored once,
+//! every payment booked once — and the operator commands work, with server connections shared by
+//! every client and each transaction on whichever is free; `migrate`, which needs a session, is
+//! refused saying so. Skipped, saying so, where pgbouncer is not installed (`scripts/ci-deps.sh`
+//! installs it; CI runs it).
+
+use std::time::Duration;
+
+use inbox_test_support::app::concurrent_posts;
+use inbox_test_support::db::{scalar, url_with_dbname};
+use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
+use inbox_test_support::pgbouncer::PgBouncer;
+use inbox_test_support::process::{command, run, start_ingest, Proc};
+use inbox_test_support::proxy::postgres_addr;
+use inbox_test_support::worker::eventually;
+use inbox_test_support::TestDb;
+
+#[tokio::test]
+async fn ingest_worker_and_operators_work_through_pgbouncer_in_transaction_mode() {
+    let server = postgres_addr();
+    let user = inbox_test_support::db::admin_config().get_user().unwrap_or("postgres").to_owned();
+    // Two server connections for everyone: the ingest's writers, the worker's claims and batches
+    // and the operators all take turns on them.
+    let start = move || PgBouncer::start(&server.ip().to_string(), server.port(), &user, 2);
+    let Some(bouncer) = tokio::task::spawn_blocking(start).await.unwrap() else {
+        eprintln!("skipped: pgbouncer is not installed (scripts/ci-deps.sh installs it)");
+        return;
+    };
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
+
+    let mut ingest = command("inbox-ingest");
+    ingest
+        .env("DATABASE_URL", &via)
+        .env("INBOX_DB_POOLER", "transaction")
+        .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
+        .env("INBOX_LISTEN", "127.0.0.1:0");
+    let (ingest, base) = tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap();
+    let mut worker = command("inbox-worker");
+    // LISTEN cannot work through a transaction pooler: the worker finds rows by polling.
+    worker.env("DATABASE_URL", &via).env("INBOX_DB_POOLER", "transaction");
+    worker.args(["run", "--poll-interval", "100ms", "--batch-size", "8"]);
+    let worker = Proc::spawn(worker);
+    worker.wait_for_line("no LISTEN wake-ups, polling", Duration::from_secs(30));
+    worker.wait_for_line("inbox-worker running", Duration::from_secs(30));
+
+    // 40 payments at once, each delivered twice (and a redelivery of the first eight).
+    let mut requests = Vec::new();
+    for i in 0..48 {
+        let n = i % 40;
+        let body = invoice_paid(&format!("evt_pgb_{n}"), &format!("in_pgb_{n}"), 100 + n as i64);
+        requests.push(("billing".to_owned(), sign(SECRET_A, &body), body));
+    }
+    let replies = tokio::task::spawn_blocking({
+        let base = base.clone();
+        move || concurrent_posts(&base, requests)
+    })
+    .await
+    .unwrap();
+    let failed: Vec<_> = replies.iter().filter(|r| r.status != 200).map(|r| &r.text).collect();
+    assert!(failed.is_empty(), "{failed:?}\n{}\n{}", ingest.output(), bouncer.log());
+
+    let drained = eventually(Duration::from_secs(30), || async {
+        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await == 0
+    })
+    .await;
+    assert!(drained, "the worker processed every row:\n{}\n{}", worker.output(), bouncer.log());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox").await, 40, "stored once each");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 40, "booked once each");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 40);
+    let (health, ready) = tokio::join!(get(&base, "/readyz"), get(&base, "/healthz"));
+    assert!(health.starts_with("HTTP/1.1 200") && ready.starts_with("HTTP/1.1 200"), "{health} {ready}");
+    for output in [worker.output(), ingest.output()] {
+        assert!(!output.contains("prepared statement"), "no statement outlived its transaction:\n{output}");
+    }
+
+    // The operator commands, through the pooler too.
+    for args in [
+        vec!["stats", "--json"],
+        vec!["needs-review", "--json"],
+        vec!["requeue", "--all", "--dry-run"],
+        vec!["replay", "--event-id", "evt_pgb_7", "--actor", "pgb"],
+        vec!["purge", "--older-than", "30d", "--dry-run"],
+    ] {
+        let mut cmd = command("inbox-worker");
+        cmd.env("DATABASE_URL", &via).env("INBOX_DB_POOLER", "transaction").args(&args);
+        let (code, output) =
+            tokio::task::spawn_blocking(move || run(cmd, Duration::from_secs(30))).await.unwrap();
+        assert_eq!(code, 0, "inbox-worker {args:?} through pgbouncer:\n{output}");
+    }
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM ledger_entries").await,
+        40,
+        "replay books nothing twice"
+    );
+    assert_eq!(scalar(&client, "SELECT count(*) FROM operator_audit").await, 1);
+
+    let mut migrate = command("inbox-worker");
+    migrate.env("DATABASE_URL", &via).env("INBOX_DB_POOLER", "transaction").arg("migrate");
+    let (code, output) =
+        tokio::task::spawn_blocking(move || run(migrate, Duration::from_secs(30))).await.unwrap();
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("session-level lock"), "migrate says why it needs a session: {output}");
+}
+
+async fn get(base: &str, path: &str) -> String {
+    inbox_test_support::app::raw_request(
+        base,
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+}
