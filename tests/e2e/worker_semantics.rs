@@ -650,6 +650,7 @@ fn fifty_events_over_four_concurrent_workers_are_each_booked_once_in_one_attempt
                             max_size: 1,
                             timeout: Duration::from_secs(10),
                             application_name: "inbox-test",
+                            session_statement_timeout: None,
                             verify_on_checkout: true,
                         },
                     )

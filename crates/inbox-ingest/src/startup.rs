@@ -10,7 +10,7 @@ pub use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use anyhow::Context as _;
 use deadpool_postgres::Pool;
-use inbox_domain::db::{build_pool, check_reachable, PoolOptions};
+use inbox_domain::db::{build_pool, check_reachable, PoolOptions, Pooler};
 use inbox_domain::inbox::signature::Verifier;
 use tokio::sync::Notify;
 
@@ -87,6 +87,10 @@ impl Application {
                 max_size: settings.pool_size,
                 timeout: settings.db_timeout,
                 application_name: "inbox-ingest",
+                // Directly, a timeout per session (free); behind a transaction pooler the insert
+                // sets it per transaction instead (see store::ingest::insert_events).
+                session_statement_timeout: (settings.database.pooler == Pooler::None)
+                    .then_some(settings.db_timeout),
                 verify_on_checkout: true,
             },
         )?;

@@ -138,6 +138,7 @@ where
             max_size: settings.capacity.transactions + 2,
             timeout: db_timeout,
             application_name: "inbox-worker",
+            session_statement_timeout: None,
             // Every use below is bounded by a deadline (`Context::db_timeout`, the executor's
             // `Limits::deadline`) and a connection is discarded after any error, so the round
             // trip a verification costs on every checkout buys nothing here.

@@ -72,6 +72,7 @@ pub fn pool(db: &TestDb, size: usize) -> deadpool_postgres::Pool {
             max_size: size,
             timeout: Duration::from_secs(10),
             application_name: "inbox-test",
+            session_statement_timeout: None,
             verify_on_checkout: true,
         },
     )

@@ -117,6 +117,12 @@ pub struct PoolOptions {
     pub timeout: Duration,
     /// `application_name` shown in `pg_stat_activity`, so operators can tell the roles apart.
     pub application_name: &'static str,
+    /// A `statement_timeout` for every statement of these sessions, set by a `SET` right after a
+    /// connection opens — not as a startup option, so the user's `options` are kept and a pooler
+    /// that refuses startup options is not involved. Only where a session is the caller's own:
+    /// behind a transaction pooler a session setting would reach other clients' transactions, so
+    /// there the callers set their limits per transaction and leave this None.
+    pub session_statement_timeout: Option<Duration>,
     /// Run an empty query on every checkout (`Verified` recycling) instead of only checking that
     /// the connection is not known to be closed (`Fast`). Verified notices a connection the
     /// network dropped silently before it is used, at one round trip per checkout; callers that
@@ -134,8 +140,8 @@ pub fn parse_database_url(url: &str) -> anyhow::Result<DatabaseConfig> {
 }
 
 /// Builds a pool. Connections are opened lazily; call [`check_reachable`] to fail fast at start-up.
-/// Nothing is set at connect (no `options`): limits are set per transaction where they are needed,
-/// which keeps the user's own `options` and works through PgBouncer in transaction mode.
+/// Nothing is sent at connect beyond the user's settings (no `options` of ours: they would replace
+/// the user's, and PgBouncer refuses them); see [`PoolOptions::session_statement_timeout`].
 ///
 /// A connection the server closed (restart, `pg_terminate_backend`) is replaced at checkout, so
 /// the service recovers by itself when the database returns; with `verify_on_checkout` also one
@@ -151,7 +157,17 @@ pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Resu
     let recycling_method =
         if opts.verify_on_checkout { RecyclingMethod::Verified } else { RecyclingMethod::Fast };
     let manager = Manager::from_config(pg, database.connector(), ManagerConfig { recycling_method });
-    Pool::builder(manager)
+    let mut builder = Pool::builder(manager);
+    if let Some(timeout) = opts.session_statement_timeout {
+        let set = format!("SET statement_timeout = {}", timeout.as_millis().max(1));
+        builder = builder.post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+            let set = set.clone();
+            Box::pin(async move {
+                client.batch_execute(&set).await.map_err(deadpool_postgres::HookError::Backend)
+            })
+        }));
+    }
+    builder
         .max_size(opts.max_size)
         .wait_timeout(Some(opts.timeout))
         .create_timeout(Some(opts.timeout))

@@ -78,6 +78,7 @@ async fn connect(database: DatabaseConfig) -> anyhow::Result<Object> {
             max_size: 1,
             timeout: Duration::from_secs(10),
             application_name: APPLICATION_NAME,
+            session_statement_timeout: None,
             verify_on_checkout: true,
         },
     )?;

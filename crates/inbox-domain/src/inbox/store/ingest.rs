@@ -8,7 +8,7 @@ use crate::inbox::event::JsonBytes;
 
 /// Stores verified events as unprocessed rows, unless the same (provider, endpoint, event_id) is
 /// already stored: one statement for a whole batch of concurrent requests (group commit). Its
-/// transaction has only this statement: when it commits, every row (or the proof it existed) is
+/// transaction has only this statement: when it returns, every row (or the proof it existed) is
 /// committed, which is what makes answering 2xx afterwards safe. The caller sends each key at
 /// most once per batch.
 ///
@@ -52,15 +52,16 @@ impl InsertOutcome {
     }
 }
 
-/// Runs [`INSERT_EVENTS_SQL`] in a transaction of its own whose `statement_timeout` (and
-/// `lock_timeout`) is `timeout`; returns the keys (endpoint, event_id) that were inserted. BEGIN,
-/// the limits, the insert and COMMIT go out in one write: one round trip, as a bare autocommit
-/// statement would be, and nothing is set at connect.
+/// Runs [`INSERT_EVENTS_SQL`]; returns the keys (endpoint, event_id) that were inserted.
 ///
-/// The statements are prepared once per connection and kept ([`Pooler::None`]): planning the
-/// insert at every execution costs PostgreSQL a quarter more CPU per request. Behind a
-/// transaction pooler ([`Pooler::Transaction`]) a statement prepared in one transaction is gone —
-/// or another client's — in the next, so there they are sent unnamed.
+/// Directly ([`Pooler::None`]) the statement is prepared once per connection and runs in
+/// autocommit, bounded by the session's `statement_timeout` (set when the ingest's pool opens the
+/// connection): planning the insert at every execution, or wrapping it in BEGIN and COMMIT to set
+/// the timeout per transaction, costs PostgreSQL a tenth to a quarter more CPU per request.
+/// Behind a transaction pooler ([`Pooler::Transaction`]) no statement or setting survives its
+/// transaction: the insert is sent unnamed, in a transaction of its own whose `statement_timeout`
+/// (and `lock_timeout`) is `timeout` — BEGIN, the limits, the insert and COMMIT in one write, one
+/// round trip.
 pub async fn insert_events(
     client: &deadpool_postgres::Object,
     pooler: Pooler,
@@ -74,9 +75,6 @@ pub async fn insert_events(
     let payloads: Vec<JsonBytes<'_>> = events.iter().map(|e| JsonBytes(e.payload)).collect();
     // Bodies are at most --max-body (far below 2 GiB); saturate rather than wrap all the same.
     let sizes: Vec<i32> = events.iter().map(|e| i32::try_from(e.payload.len()).unwrap_or(i32::MAX)).collect();
-    let millis = format!("{}ms", timeout.as_millis().max(1));
-    let limits: [(&(dyn ToSql + Sync), Type); 3] =
-        [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
     let params: [(&(dyn ToSql + Sync), Type); 6] = [
         (&provider, Type::TEXT),
         (&endpoints, Type::TEXT_ARRAY),
@@ -85,30 +83,29 @@ pub async fn insert_events(
         (&payloads, Type::JSONB_ARRAY),
         (&sizes, Type::INT4_ARRAY),
     ];
-    let (_, _, rows, commit) = match pooler {
+    let rows = match pooler {
         Pooler::None => {
-            let set_limits = client.prepare_cached(super::SET_LIMITS_SQL).await?;
             let insert = client.prepare_cached(INSERT_EVENTS_SQL).await?;
-            let limits: Vec<&(dyn ToSql + Sync)> = limits.iter().map(|(value, _)| *value).collect();
             let params: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(value, _)| *value).collect();
-            tokio::join!(
-                client.batch_execute("BEGIN"),
-                client.query(&set_limits, &limits),
-                client.query(&insert, &params),
-                client.batch_execute("COMMIT"),
-            )
+            client.query(&insert, &params).await?
         }
-        Pooler::Transaction => tokio::join!(
-            client.batch_execute("BEGIN"),
-            client.query_typed(super::SET_LIMITS_SQL, &limits),
-            client.query_typed(INSERT_EVENTS_SQL, &params),
-            client.batch_execute("COMMIT"),
-        ),
+        Pooler::Transaction => {
+            let millis = format!("{}ms", timeout.as_millis().max(1));
+            let limits: [(&(dyn ToSql + Sync), Type); 3] =
+                [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
+            let (_, _, rows, commit) = tokio::join!(
+                client.batch_execute("BEGIN"),
+                client.query_typed(super::SET_LIMITS_SQL, &limits),
+                client.query_typed(INSERT_EVENTS_SQL, &params),
+                client.batch_execute("COMMIT"),
+            );
+            // A failure of BEGIN or of the limits aborts the transaction and the insert fails
+            // too: its error is the one to report. The rows are stored only if COMMIT succeeded.
+            let rows = rows?;
+            commit?;
+            rows
+        }
     };
-    // A failure of BEGIN or of the limits aborts the transaction and the insert fails too: its
-    // error is the one to report. The rows are stored only if the COMMIT succeeded.
-    let rows = rows?;
-    commit?;
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
