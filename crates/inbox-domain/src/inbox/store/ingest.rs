@@ -90,20 +90,7 @@ pub async fn insert_events(
             client.query(&insert, &params).await?
         }
         Pooler::Transaction => {
-            let millis = format!("{}ms", timeout.as_millis().max(1));
-            let limits: [(&(dyn ToSql + Sync), Type); 3] =
-                [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
-            let (_, _, rows, commit) = tokio::join!(
-                client.batch_execute("BEGIN"),
-                client.query_typed(super::SET_LIMITS_SQL, &limits),
-                client.query_typed(INSERT_EVENTS_SQL, &params),
-                client.batch_execute("COMMIT"),
-            );
-            // A failure of BEGIN or of the limits aborts the transaction and the insert fails
-            // too: its error is the one to report. The rows are stored only if COMMIT succeeded.
-            let rows = rows?;
-            commit?;
-            rows
+            super::query_in_own_transaction(client, timeout, INSERT_EVENTS_SQL, &params).await?
         }
     };
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())

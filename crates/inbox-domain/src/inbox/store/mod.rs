@@ -128,6 +128,34 @@ pub async fn set_limits(
     Ok(())
 }
 
+/// Runs one unnamed statement in a transaction of its own whose `statement_timeout` and
+/// `lock_timeout` are `timeout`: BEGIN, the limits, the statement and COMMIT go out in one write
+/// — one round trip, as a bare autocommit statement would be — and nothing outlives the
+/// transaction (a transaction pooler may hand the next one another server connection). After a
+/// failed statement the COMMIT rolls back, and the connection is outside a transaction. A COMMIT
+/// that failed leaves the outcome unknown: an error too.
+pub(crate) async fn query_in_own_transaction(
+    client: &tokio_postgres::Client,
+    timeout: Duration,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    let millis = format!("{}ms", timeout.as_millis().max(1));
+    let limits: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
+    let (_, _, rows, commit) = tokio::join!(
+        client.batch_execute("BEGIN"),
+        client.query_typed(SET_LIMITS_SQL, &limits),
+        client.query_typed(sql, params),
+        client.batch_execute("COMMIT"),
+    );
+    // A failure of BEGIN or of the limits aborts the transaction and the statement fails too:
+    // its error is the one to report.
+    let rows = rows?;
+    commit?;
+    Ok(rows)
+}
+
 /// The longest `last_error` stored.
 pub const MAX_ERROR_LEN: usize = 1024;
 

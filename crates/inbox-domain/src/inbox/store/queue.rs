@@ -97,9 +97,8 @@ pub struct Claim {
 
 /// Runs [`CLAIM_SQL`] for up to `limit` rows and `budget` payload bytes (see there), in a
 /// transaction of its own whose `statement_timeout` (and `lock_timeout`) is `timeout`: the server abandons a claim that takes longer, so a claim the caller stopped
-/// waiting for (its own deadline is longer) cannot commit leases nobody works. BEGIN, the limits,
-/// the claim and COMMIT go out in one write: one round trip, as a bare autocommit statement would
-/// be. After a failed claim the COMMIT rolls back, and the connection is outside a transaction.
+/// waiting for (its own deadline is longer) cannot commit leases nobody works (one round trip:
+/// see `query_in_own_transaction`).
 pub async fn claim(
     client: &Client,
     max_attempts: i32,
@@ -109,22 +108,10 @@ pub async fn claim(
     timeout: std::time::Duration,
 ) -> Result<Claim, tokio_postgres::Error> {
     let lease = lease.as_secs_f64();
-    let millis = format!("{}ms", timeout.as_millis().max(1));
-    let limits: [(&(dyn ToSql + Sync), Type); 3] =
-        [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
     let params: [(&(dyn ToSql + Sync), Type); 4] =
         [(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8), (&budget, Type::INT8)];
-    let (_, _, rows, commit) = tokio::join!(
-        client.batch_execute("BEGIN"),
-        client.query_typed(super::SET_LIMITS_SQL, &limits),
-        client.query_typed(CLAIM_SQL, &params),
-        client.batch_execute("COMMIT"),
-    );
-    // A failure of BEGIN or of the limits aborts the transaction, so the claim fails too: its
-    // error is the one to report. A COMMIT that failed leaves the leases' fate unknown: an error
-    // too (the caller discards the connection; leases that did commit expire).
-    let rows = rows?;
-    commit?;
+    // On a failed COMMIT the caller discards the connection; leases that did commit expire.
+    let rows = super::query_in_own_transaction(client, timeout, CLAIM_SQL, &params).await?;
     let mut claim = Claim::default();
     for r in &rows {
         let row = Claimed {
