@@ -11,7 +11,6 @@
 use std::collections::HashSet;
 
 use deadpool_postgres::Transaction;
-use tokio_postgres::types::{ToSql, Type};
 
 use crate::handler::{HandlerError, HandlerFuture, Registry};
 use crate::inbox::event::InboxEvent;
@@ -121,11 +120,8 @@ fn created<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<
             Ok("open") => "open",
             _ => "draft",
         };
-        tx.execute_typed(
-            INSERT_IF_ABSENT_SQL,
-            &[(&id, Type::TEXT), (&customer, Type::TEXT), (&status, Type::TEXT)],
-        )
-        .await?;
+        let stmt = tx.prepare_cached(INSERT_IF_ABSENT_SQL).await?;
+        tx.execute(&stmt, &[&id, &customer, &status]).await?;
         Ok(())
     })
 }
@@ -133,8 +129,8 @@ fn created<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<
 async fn advance(tx: &Transaction<'_>, event: &InboxEvent, status: &str) -> Result<(), HandlerError> {
     let id = event.object_str("id")?;
     let customer = event.object_str("customer")?;
-    tx.execute_typed(ADVANCE_SQL, &[(&id, Type::TEXT), (&customer, Type::TEXT), (&status, Type::TEXT)])
-        .await?;
+    let stmt = tx.prepare_cached(ADVANCE_SQL).await?;
+    tx.execute(&stmt, &[&id, &customer, &status]).await?;
     Ok(())
 }
 
@@ -176,10 +172,9 @@ async fn pay(tx: &Transaction<'_>, events: &[&InboxEvent]) -> Result<(), Handler
     let ids: Vec<&str> = fields.iter().map(|f| f.0).collect();
     let customers: Vec<&str> = fields.iter().map(|f| f.1).collect();
     let amounts: Vec<i64> = fields.iter().map(|f| f.2).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 3] =
-        [(&ids, Type::TEXT_ARRAY), (&customers, Type::TEXT_ARRAY), (&amounts, Type::INT8_ARRAY)];
+    let stmt = tx.prepare_cached(PAY_SQL).await?;
     let paid: HashSet<String> =
-        tx.query_typed(PAY_SQL, &params).await?.into_iter().map(|row| row.get(0)).collect();
+        tx.query(&stmt, &[&ids, &customers, &amounts]).await?.into_iter().map(|row| row.get(0)).collect();
     for (event, (id, _, amount)) in events.iter().zip(&fields) {
         if !paid.contains(*id) {
             settle_payment(tx, event, id, *amount).await?;
@@ -197,19 +192,16 @@ async fn settle_payment(
     id: &str,
     amount: i64,
 ) -> Result<(), HandlerError> {
-    let status: String = tx.query_typed_one(STATUS_SQL, &[(&id, Type::TEXT)]).await?.get(0);
+    let status_stmt = tx.prepare_cached(STATUS_SQL).await?;
+    let status: String = tx.query_one(&status_stmt, &[&id]).await?.get(0);
     match status.as_str() {
         "paid" => {
-            tx.execute_typed(BOOK_PAYMENT_SQL, &[(&id, Type::TEXT), (&amount, Type::INT8)]).await?;
+            let book = tx.prepare_cached(BOOK_PAYMENT_SQL).await?;
+            tx.execute(&book, &[&id, &amount]).await?;
         }
         "void" => {
-            let params: [(&(dyn ToSql + Sync), Type); 4] = [
-                (&id, Type::TEXT),
-                (&event.event_id, Type::TEXT),
-                (&amount, Type::INT8),
-                (&event.endpoint, Type::TEXT),
-            ];
-            tx.execute_typed(RECONCILE_SQL, &params).await?;
+            let reconcile = tx.prepare_cached(RECONCILE_SQL).await?;
+            tx.execute(&reconcile, &[&id, &event.event_id, &amount, &event.endpoint]).await?;
         }
         other => {
             return Err(HandlerError::Other(format!("invoice {id} is {other} after invoice.paid")));

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Object, Transaction};
 use futures_util::FutureExt as _;
-use inbox_domain::db::describe_db_error;
+use inbox_domain::db::{describe_db_error, Pooler};
 use inbox_domain::handler::{BatchHandler, Handler, HandlerError, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::{self, Claimed};
@@ -39,9 +39,13 @@ pub enum Outcome {
     Failed(String),
 }
 
-/// Limits of the process transaction.
+/// How the process transaction runs: its limits, and what may outlive it.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
+    /// Behind a transaction pooler, the statements handlers prepared (`prepare_cached`) are closed
+    /// before the transaction ends, so none is left on a server connection that another
+    /// transaction — ours or another client's — gets next.
+    pub pooler: Pooler,
     /// `statement_timeout` of each statement (handler statements included).
     pub statement_timeout: Duration,
     /// `lock_timeout`, below the statement timeout, for the row locks and the handlers' locks.
@@ -170,12 +174,24 @@ async fn begin<'c, 'r>(
     Ok((tx, steps))
 }
 
-/// Ends a transaction that changed rows with COMMIT, one that changed nothing with ROLLBACK.
-async fn finish(tx: Transaction<'_>, changed: bool) -> Result<(), tokio_postgres::Error> {
+/// Ends a transaction that changed rows with COMMIT, one that changed nothing with ROLLBACK
+/// (behind a transaction pooler, after closing the statements it prepared: see
+/// [`Limits::pooler`]).
+async fn finish(tx: Transaction<'_>, changed: bool, pooler: Pooler) -> Result<(), tokio_postgres::Error> {
+    forget_statements(&tx, pooler);
     if changed {
         tx.commit().await
     } else {
         tx.rollback().await
+    }
+}
+
+/// Behind a transaction pooler: drops the statements prepared in this transaction, which sends
+/// their Close ahead of whatever this transaction sends next (COMMIT or ROLLBACK), on the server
+/// connection that prepared them.
+fn forget_statements(tx: &Transaction<'_>, pooler: Pooler) {
+    if pooler == Pooler::Transaction {
+        tx.statement_cache.clear();
     }
 }
 
@@ -257,11 +273,12 @@ async fn run_pipelined(
     // Handlers first: their first statements are queued before the mark.
     let (results, marked) = tokio::join!(futures_util::future::join_all(runs), mark);
     if let Some(failure) = results.into_iter().find_map(failure_message) {
+        forget_statements(&tx, limits.pooler);
         tx.rollback().await?;
         return Ok(Pipelined::Failed(failure));
     }
     marked?;
-    finish(tx, !done.is_empty()).await?;
+    finish(tx, !done.is_empty(), limits.pooler).await?;
     Ok(Pipelined::Done(steps.iter().map(Step::outcome).collect()))
 }
 
@@ -302,7 +319,7 @@ async fn run_isolated(
     if !done.is_empty() {
         queue::mark_processed(&tx, &done).await?;
     }
-    finish(tx, !done.is_empty()).await?;
+    finish(tx, !done.is_empty(), limits.pooler).await?;
     Ok(outcomes)
 }
 

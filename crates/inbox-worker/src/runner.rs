@@ -52,6 +52,7 @@ impl Settings {
         if args.poll_interval.is_zero() {
             anyhow::bail!("--poll-interval must be above 0");
         }
+        let pooler = database.pooler;
         if args.max_bytes_in_flight == 0 {
             anyhow::bail!("--max-bytes-in-flight must be above 0");
         }
@@ -65,6 +66,7 @@ impl Settings {
             ),
             lease: args.lease,
             limits: Limits {
+                pooler,
                 statement_timeout: args.statement_timeout,
                 lock_timeout: args.statement_timeout / 2,
                 idle_timeout: args.statement_timeout,

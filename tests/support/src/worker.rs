@@ -32,6 +32,7 @@ pub fn test_settings(db: &TestDb) -> Settings {
 /// Limits as `run` derives them from a statement timeout.
 pub fn test_limits(statement_timeout: Duration) -> Limits {
     Limits {
+        pooler: inbox_domain::db::Pooler::None,
         statement_timeout,
         lock_timeout: statement_timeout / 2,
         idle_timeout: statement_timeout,

@@ -50,7 +50,8 @@ pub struct ActorArgs {
 /// Runs an operator command over one connection. `registry` is the binary's: `replay` runs its
 /// handlers and `migrate` applies its migrations.
 pub async fn execute(command: Command, database: DatabaseConfig, registry: &Registry) -> anyhow::Result<()> {
-    if matches!(command, Command::Migrate) && database.pooler == Pooler::Transaction {
+    let pooler = database.pooler;
+    if matches!(command, Command::Migrate) && pooler == Pooler::Transaction {
         anyhow::bail!(
             "migrate holds a session-level lock (so that two migrations never run at once), which a \
              transaction pooler does not keep: run it against the server or a session-mode pool, \
@@ -63,7 +64,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Stats(args) => stats::run(&**conn, &args).await,
         Command::NeedsReview(args) => needs_review::run(&**conn, &args).await,
         Command::Requeue(args) => requeue::run(&mut conn, &args).await,
-        Command::Replay(args) => replay::run(&mut conn, registry, &args).await,
+        Command::Replay(args) => replay::run(&mut conn, registry, pooler, &args).await,
         Command::Purge(args) => purge::run(&**conn, &args).await,
         Command::Run(_) => unreachable!("`run` is not an operator command"),
     }

@@ -6,6 +6,7 @@
 //! and most likely the wrong binary), and nothing changes.
 
 use clap::Args as ClapArgs;
+use inbox_domain::db::Pooler;
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::{admin, queue, set_limits};
@@ -34,6 +35,7 @@ pub struct Args {
 pub async fn run(
     client: &mut deadpool_postgres::Object,
     registry: &Registry,
+    pooler: Pooler,
     args: &Args,
 ) -> anyhow::Result<()> {
     let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
@@ -63,7 +65,13 @@ pub async fn run(
         row.event_type.clone(),
         row.payload,
     );
-    if let Err(e) = handler.handle(&tx, &event).await {
+    let applied = handler.handle(&tx, &event).await;
+    if pooler == Pooler::Transaction {
+        // Close the statements the handler prepared before the transaction ends, on the server
+        // connection that has them (as the worker's executor does).
+        tx.statement_cache.clear();
+    }
+    if let Err(e) = applied {
         let _ = tx.rollback().await;
         anyhow::bail!(
             "replay of event {event_id} (endpoint {}, {}) failed, nothing changed: {e}",
