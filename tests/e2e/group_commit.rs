@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use inbox_ingest::configuration::Settings;
 use inbox_test_support::app::concurrent_posts;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
@@ -90,8 +91,9 @@ fn one_payload_the_database_refuses_does_not_fail_its_batch() {
 }
 
 /// An ingest with four batch writers whose every INSERT takes 300 ms; each committed batch is
-/// logged with its statement's start, end and row count in `batch_log`.
-async fn slow_writers_with_log() -> TestApp {
+/// logged with its statement's start, end and row count in `batch_log`. `adjust` changes the
+/// settings further.
+async fn slow_writers_with_log(adjust: impl FnOnce(&mut Settings)) -> TestApp {
     let db = TestDb::new().await;
     db.client()
         .await
@@ -111,6 +113,7 @@ async fn slow_writers_with_log() -> TestApp {
     spawn_app_with(db, |s| {
         s.pool_size = 6; // four writers
         s.db_timeout = Duration::from_secs(10);
+        adjust(s);
     })
     .await
 }
@@ -157,7 +160,7 @@ async fn batch_log(app: &TestApp) -> Vec<(i64, bool)> {
 #[test]
 fn a_few_requests_behind_a_batch_in_flight_wait_and_share_the_next_batch() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let app = rt.block_on(slow_writers_with_log());
+    let app = rt.block_on(slow_writers_with_log(|_| {}));
     let first = first_batch_in_flight(&rt, &app);
     let wave: Vec<_> = (0..3).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
     let replies = concurrent_posts(&app.address, wave);
@@ -170,7 +173,7 @@ fn a_few_requests_behind_a_batch_in_flight_wait_and_share_the_next_batch() {
 #[test]
 fn enough_requests_behind_a_batch_in_flight_start_their_own_beside_it() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let app = rt.block_on(slow_writers_with_log());
+    let app = rt.block_on(slow_writers_with_log(|_| {}));
     let first = first_batch_in_flight(&rt, &app);
     let n = inbox_ingest::batcher::JOIN_AT + 2;
     let wave: Vec<_> = (0..n).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
@@ -183,4 +186,51 @@ fn enough_requests_behind_a_batch_in_flight_start_their_own_beside_it() {
         log[1].0 >= inbox_ingest::batcher::JOIN_AT as i64 && log[1].1,
         "the wave's batch overlaps the first: {log:?}"
     );
+}
+
+/// Room for the bytes of one payload and no more.
+fn room_for_one(body: &[u8]) -> u64 {
+    body.len() as u64 * 3 / 2
+}
+
+/// What bounds the ingest's memory is the payload bytes waiting for their commit, not a count of
+/// requests: with room for one payload, requests arriving together are written one at a time,
+/// each waiting for the previous commit to give its bytes back — and every one is stored.
+#[test]
+fn payload_bytes_waiting_for_a_commit_are_bounded_and_the_requests_past_the_bound_wait_their_turn() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let body = invoice_paid("evt_0", "in_1", 1);
+    let app = rt.block_on(slow_writers_with_log(|s| s.max_bytes_in_flight = room_for_one(&body)));
+    let wave: Vec<_> = (0..6).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+    let replies = concurrent_posts(&app.address, wave);
+    assert!(replies.iter().all(|r| r.status == 200 && r.body["status"] == "accepted"), "{replies:?}");
+    assert_eq!(rt.block_on(batch_log(&app)), [(1, false); 6], "one payload in flight at a time");
+}
+
+/// A request still waiting for room when its database timeout passes is answered 503 in time
+/// (Stripe retries) and leaves nothing half-stored: every retry ends with the event stored once.
+#[test]
+fn a_request_that_gets_no_room_in_time_is_503_and_its_retry_is_stored_once() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let body = invoice_paid("evt_0", "in_1", 1);
+    let app = rt.block_on(slow_writers_with_log(|s| {
+        s.max_bytes_in_flight = room_for_one(&body);
+        s.db_timeout = Duration::from_secs(1);
+    }));
+    let events: Vec<_> = (0..8).map(|i| invoice_paid(&format!("evt_{i}"), "in_1", 1)).collect();
+    let started = std::time::Instant::now();
+    let replies = concurrent_posts(&app.address, events.iter().cloned().map(signed).collect());
+    assert!(started.elapsed() < Duration::from_secs(3), "answers took {:?}", started.elapsed());
+    let refused = replies.iter().filter(|r| r.status == 503).count();
+    assert!(refused >= 4, "8 payloads × 300 ms one at a time cannot fit 1 s: {replies:?}");
+    assert!(replies.iter().all(|r| r.status == 200 || r.status == 503), "{replies:?}");
+    rt.block_on(async {
+        for (event, reply) in events.into_iter().zip(&replies) {
+            if reply.status == 503 {
+                let retry = app.post_signed(event).await;
+                assert_eq!(retry.status, 200, "{}", retry.text);
+            }
+        }
+        assert_eq!(app.inbox_rows().await, 8);
+    });
 }

@@ -9,8 +9,10 @@
 //! project ships: a handler set like any application's own.
 //!
 //! **Process plumbing** shared by the binaries: the connection pool ([`db`]), logging
-//! ([`telemetry`]) and the configuration pieces both read ([`config`]).
+//! ([`telemetry`]), the configuration pieces both read ([`config`]) and the bound on payload
+//! bytes each holds in memory ([`budget`]).
 
+pub mod budget;
 pub mod config;
 pub mod db;
 pub mod handler;

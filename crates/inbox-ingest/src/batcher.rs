@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use actix_web::web::Bytes;
 use deadpool_postgres::Pool;
+use inbox_domain::budget::{ByteBudget, BytesHeld};
 use inbox_domain::db::Pooler;
 use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent};
 use inbox_domain::PROVIDER_STRIPE;
@@ -34,6 +35,9 @@ struct Pending {
     event_type: String,
     payload: Bytes,
     reply: oneshot::Sender<Result<InsertOutcome, IngestError>>,
+    /// The payload's share of the bytes in flight, given back when the batch is written — not
+    /// when the request gives up waiting: the payload stays queued until then.
+    _held: BytesHeld,
 }
 
 /// The most requests written by one statement.
@@ -59,6 +63,9 @@ struct Writers {
 pub struct Batcher {
     queue: mpsc::Sender<Pending>,
     writers: Arc<Writers>,
+    /// Payload bytes queued or being written: a slow database makes requests wait here (and
+    /// then 503) instead of making the process grow.
+    payloads: ByteBudget,
 }
 
 impl Batcher {
@@ -68,6 +75,7 @@ impl Batcher {
         pooler: Pooler,
         writers: usize,
         db_timeout: Duration,
+        payloads: ByteBudget,
         metrics: Metrics,
     ) -> Batcher {
         let target = Target { pool, pooler, timeout: db_timeout };
@@ -77,10 +85,11 @@ impl Batcher {
         for _ in 0..writers.max(1) {
             tokio::spawn(writer(shared.clone(), target.clone(), metrics.clone()));
         }
-        Batcher { queue, writers: shared }
+        Batcher { queue, writers: shared, payloads }
     }
 
-    /// Stores one event; resolves once its batch committed (or failed).
+    /// Stores one event; resolves once its batch committed (or failed). Waits first for the
+    /// payload's room in the bytes in flight.
     pub async fn insert(
         &self,
         endpoint: &str,
@@ -88,6 +97,7 @@ impl Batcher {
         event_type: &str,
         payload: Bytes,
     ) -> Result<InsertOutcome, IngestError> {
+        let held = self.payloads.take(payload.len() as u64).await;
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
             endpoint: endpoint.to_owned(),
@@ -95,6 +105,7 @@ impl Batcher {
             event_type: event_type.to_owned(),
             payload,
             reply,
+            _held: held,
         };
         self.queue.send(pending).await.map_err(|_| IngestError::Unavailable("shutting down"))?;
         if self.queue.max_capacity() - self.queue.capacity() >= JOIN_AT - 1 {

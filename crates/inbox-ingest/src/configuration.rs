@@ -48,6 +48,11 @@ pub struct Cli {
     #[arg(long, env = "INBOX_MAX_BODY", default_value = "1MiB", value_parser = parse_byte_size)]
     pub max_body: u64,
 
+    /// Most verified payload bytes waiting for their commit: past it a request waits (up to
+    /// --db-timeout, then 503) instead of the process growing while the database is slow.
+    #[arg(long, env = "INBOX_MAX_BYTES_IN_FLIGHT", default_value = "64MiB", value_parser = parse_byte_size)]
+    pub max_bytes_in_flight: u64,
+
     /// Most database connections: all but two are group-commit writers [default: 2 per core + 2,
     /// at least 6].
     #[arg(long, env = "INBOX_POOL_SIZE")]
@@ -81,6 +86,9 @@ pub struct Settings {
     pub endpoints: Vec<EndpointSpec>,
     pub tolerance: Duration,
     pub max_body: usize,
+    /// Bound on the payload bytes waiting for their commit: the ingest's memory under a slow
+    /// database, whatever the size of the events.
+    pub max_bytes_in_flight: u64,
     pub pool_size: usize,
     pub db_timeout: Duration,
     pub body_timeout: Duration,
@@ -113,6 +121,13 @@ impl Cli {
             .ok()
             .filter(|m| *m > 0)
             .context("--max-body must be between 1 byte and the address space")?;
+        if self.max_bytes_in_flight < self.max_body {
+            anyhow::bail!(
+                "--max-bytes-in-flight / INBOX_MAX_BYTES_IN_FLIGHT must be at least --max-body ({} bytes), \
+                 or the largest accepted event could never be stored",
+                self.max_body
+            );
+        }
         let pool_size = match self.pool_size {
             Some(0) => anyhow::bail!("--pool-size / INBOX_POOL_SIZE must be at least 1"),
             Some(n) => n,
@@ -123,6 +138,7 @@ impl Cli {
             endpoints,
             tolerance: self.tolerance,
             max_body,
+            max_bytes_in_flight: self.max_bytes_in_flight,
             pool_size,
             db_timeout: self.db_timeout,
             body_timeout: self.body_timeout,

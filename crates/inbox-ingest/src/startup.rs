@@ -10,6 +10,7 @@ pub use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use anyhow::Context as _;
 use deadpool_postgres::Pool;
+use inbox_domain::budget::ByteBudget;
 use inbox_domain::db::{build_pool, check_reachable, PoolOptions, Pooler};
 use inbox_domain::inbox::signature::Verifier;
 use tokio::sync::Notify;
@@ -105,6 +106,7 @@ impl Application {
             settings.database.pooler,
             writers,
             settings.db_timeout,
+            ByteBudget::new(settings.max_bytes_in_flight),
             metrics.clone(),
         );
         let wake_workers = Arc::new(Notify::new());

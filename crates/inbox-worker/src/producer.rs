@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use deadpool_postgres::Pool;
+use inbox_domain::budget::ByteBudget;
 use inbox_domain::db::describe_db_error;
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::queue::{self, Claim, Claimed, Failure};
@@ -66,9 +67,7 @@ pub async fn run(
 ) -> JoinSet<()> {
     let events = Arc::new(Semaphore::new(capacity.events));
     let transactions = Arc::new(Semaphore::new(capacity.transactions));
-    // In KiB: a semaphore counts in u32.
-    let kib =
-        Arc::new(Semaphore::new(usize::try_from(capacity.bytes.div_ceil(1024)).unwrap_or(usize::MAX >> 4)));
+    let payloads = ByteBudget::new(capacity.bytes);
     let mut tasks = JoinSet::new();
     let mut retry_delay = poll_interval.min(Duration::from_millis(500));
     loop {
@@ -78,8 +77,8 @@ pub async fn run(
         if ctx.shutdown.is_cancelled() {
             break;
         }
-        let (free_events, free_kib) = (events.available_permits(), kib.available_permits());
-        if free_events == 0 || free_kib == 0 || transactions.available_permits() == 0 {
+        let (free_events, free_bytes) = (events.available_permits(), payloads.available());
+        if free_events == 0 || free_bytes == 0 || transactions.available_permits() == 0 {
             // Every task returns its capacity when it ends.
             tokio::select! {
                 _ = ctx.shutdown.cancelled() => break,
@@ -88,7 +87,7 @@ pub async fn run(
             continue;
         }
         let want = free_events.min(capacity.batch_size);
-        let budget = i64::try_from(free_kib).unwrap_or(i64::MAX / 1024) * 1024;
+        let budget = i64::try_from(free_bytes).unwrap_or(i64::MAX);
         let (claimed, parked) = match claim(&ctx, want, budget).await {
             Ok(claim) => {
                 retry_delay = poll_interval.min(Duration::from_millis(500));
@@ -111,13 +110,12 @@ pub async fn run(
         if !claimed.is_empty() {
             let bytes: u64 = claimed.iter().map(|c| c.bytes.max(0) as u64).sum();
             // The claim stopped at the free budget but for its last row: charge what is free at most.
-            let charge = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).min(free_kib as u32);
+            let k = payloads.take_available(bytes);
             let permits = (
                 events.clone().try_acquire_many_owned(claimed.len() as u32),
                 transactions.clone().try_acquire_owned(),
-                kib.clone().try_acquire_many_owned(charge),
             );
-            let (Ok(e), Ok(t), Ok(k)) = permits else {
+            let (Ok(e), Ok(t)) = permits else {
                 unreachable!("only this loop takes capacity, and it claimed within what was free")
             };
             let ctx = ctx.clone();

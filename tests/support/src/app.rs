@@ -28,6 +28,7 @@ pub fn test_settings(db: &TestDb) -> Settings {
         ],
         tolerance: Duration::from_secs(300),
         max_body: 64 * 1024,
+        max_bytes_in_flight: 64 << 20,
         pool_size: 20,
         db_timeout: Duration::from_secs(2),
         body_timeout: Duration::from_secs(5),
