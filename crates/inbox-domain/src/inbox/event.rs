@@ -17,15 +17,20 @@ pub const MAX_EVENT_ID_LEN: usize = 255;
 /// The longest event type we store (Stripe's longest type names are under 80 characters).
 pub const MAX_EVENT_TYPE_LEN: usize = 255;
 
-/// The fields of a Stripe event the ingest needs: its id (the inbox key) and its type.
+/// The fields of a Stripe event the ingest needs: its id (the inbox key), its type, and whether
+/// it happened in live mode.
 ///
-/// Parsing this from the body also checks that the whole body is JSON syntax (serde reads every
-/// value it skips). It does not check what `jsonb` refuses beyond that (a `\u0000` escape, a lone
-/// surrogate, nesting deeper than the server's stack): the database is the judge of those.
+/// Parsing this from the body checks that the body is one JSON object and that its syntax is
+/// valid (serde reads every value it skips). It does **not** make the body storable as `jsonb`:
+/// serde skips the strings it does not keep without judging their escapes, so a `\u0000`, a lone
+/// surrogate or nesting deeper than the server's stack pass here and are refused by PostgreSQL.
+/// The ingest keeps such a body byte for byte and parks it (see `store::ingest`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventHead<'a> {
     pub id: Cow<'a, str>,
     pub event_type: Cow<'a, str>,
+    /// `livemode`; None when absent or not a boolean.
+    pub livemode: Option<bool>,
 }
 
 /// Why a verified body is not an event we can store. The texts are safe to return to the caller:
@@ -50,11 +55,18 @@ struct RawHead<'a> {
     id: Option<Cow<'a, str>>,
     #[serde(borrow, default, rename = "type")]
     event_type: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "lenient")]
+    livemode: Option<bool>,
 }
 
 impl<'a> EventHead<'a> {
     /// Parses a verified body. Extra fields are ignored; `id` and `type` must be non-empty strings.
     pub fn parse(body: &'a [u8]) -> Result<Self, EventHeadError> {
+        // serde reads a struct from a JSON array too (its elements in field order): only an
+        // object is an event.
+        if body.iter().find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r')) != Some(&b'{') {
+            return Err(EventHeadError::NotJson);
+        }
         // A non-string `id`/`type` is a type error from serde: distinguish it from broken JSON by
         // checking the syntax separately only on that (rare) path.
         let raw: RawHead<'a> = match serde_json::from_slice(body) {
@@ -81,7 +93,7 @@ impl<'a> EventHead<'a> {
         if event_type.is_empty() || event_type.len() > MAX_EVENT_TYPE_LEN {
             return Err(EventHeadError::BadType);
         }
-        Ok(EventHead { id, event_type })
+        Ok(EventHead { id, event_type, livemode: raw.livemode })
     }
 }
 
@@ -404,12 +416,21 @@ mod tests {
                 .unwrap();
         assert_eq!(head.id, "evt_1");
         assert_eq!(head.event_type, "invoice.paid");
+        assert_eq!(head.livemode, None);
+        let live = EventHead::parse(br#"{"id":"evt_1","type":"t","livemode":true}"#).unwrap();
+        assert_eq!(live.livemode, Some(true));
+        // An odd livemode is unknown, not a reason to refuse the event.
+        let odd = EventHead::parse(br#"{"id":"evt_1","livemode":"yes","type":"t"}"#).unwrap();
+        assert_eq!((odd.id.as_ref(), odd.event_type.as_ref(), odd.livemode), ("evt_1", "t", None));
     }
 
     #[test]
     fn refuses_what_is_not_an_event() {
         assert_eq!(EventHead::parse(b"not json"), Err(EventHeadError::NotJson));
         assert_eq!(EventHead::parse(b"[1,2]"), Err(EventHeadError::NotJson));
+        // Two strings in an array read as a struct's fields in order: serde accepts it, we must not.
+        assert_eq!(EventHead::parse(br#"["evt_1","invoice.paid"]"#), Err(EventHeadError::NotJson));
+        assert_eq!(EventHead::parse(b" \n[\"evt_1\",\"invoice.paid\"]"), Err(EventHeadError::NotJson));
         assert_eq!(EventHead::parse(br#"{"id":"evt_1","type":"x"} trailing"#), Err(EventHeadError::NotJson));
         assert_eq!(EventHead::parse(br#"{"type":"x"}"#), Err(EventHeadError::MissingId));
         assert_eq!(EventHead::parse(br#"{"id":1,"type":"x"}"#), Err(EventHeadError::MissingId));
