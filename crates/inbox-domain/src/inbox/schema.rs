@@ -25,6 +25,18 @@ pub fn expected_version() -> i32 {
     embedded::migrations::runner().get_migrations().iter().map(|m| m.version() as i32).max().unwrap_or(0)
 }
 
+/// A digest of the embedded migrations (versions, names and refinery's checksums of their SQL):
+/// what this build would create. Test support names its template databases by it, so a template
+/// always matches the migrations compiled into the binaries that use it.
+pub fn embedded_digest() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for m in embedded::migrations::runner().get_migrations() {
+        (m.version(), m.name(), m.checksum()).hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
 /// An application's own migrations: its tables, beside the inbox's, with a history table of its
 /// own. Built in the application's binary from SQL files embedded at compile time:
 /// ```
