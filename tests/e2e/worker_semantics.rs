@@ -180,11 +180,11 @@ async fn a_failure_is_recorded_and_retried_after_the_backoff() {
     let client = db.client().await;
     let pool = pool(&db, 2);
     let mut body: serde_json::Value = serde_json::from_slice(&invoice_paid("evt_1", "in_1", 100)).unwrap();
-    body["data"]["object"].as_object_mut().unwrap().remove("customer");
+    body["data"]["object"].as_object_mut().unwrap().remove("amount_paid");
     store_event(&client, "billing", &serde_json::to_vec(&body).unwrap()).await;
     let outcomes = run_once(&pool, &invoices()).await;
     assert!(
-        matches!(&outcomes[..], [Outcome::Failed(e)] if e.contains("data.object.customer")),
+        matches!(&outcomes[..], [Outcome::Failed(e)] if e.contains("data.object.amount_paid")),
         "{outcomes:?}"
     );
     let row = client
@@ -195,7 +195,7 @@ async fn a_failure_is_recorded_and_retried_after_the_backoff() {
         .await
         .unwrap();
     assert_eq!(row.get::<_, i32>(0), 1);
-    assert!(row.get::<_, String>(1).contains("customer"));
+    assert!(row.get::<_, String>(1).contains("amount_paid"));
     assert!(row.get::<_, bool>(2));
     assert!(row.get::<_, bool>(3), "backoff after attempt 1 is at most 2 s");
     assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 0, "rolled back");
@@ -203,7 +203,7 @@ async fn a_failure_is_recorded_and_retried_after_the_backoff() {
     // The sender's data is fixed; the retry after the backoff processes it.
     client
         .execute(
-            "UPDATE webhook_inbox SET payload = jsonb_set(payload, '{data,object,customer}', '\"cus_1\"')",
+            "UPDATE webhook_inbox SET payload = jsonb_set(payload, '{data,object,amount_paid}', '100')",
             &[],
         )
         .await
@@ -716,7 +716,7 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     registry.register("test.panic", panicking);
     store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
     let mut broken: serde_json::Value = serde_json::from_slice(&invoice_paid("evt_2", "in_2", 100)).unwrap();
-    broken["data"]["object"].as_object_mut().unwrap().remove("customer");
+    broken["data"]["object"].as_object_mut().unwrap().remove("amount_paid");
     store_event(&client, "billing", &serde_json::to_vec(&broken).unwrap()).await;
     store_event(&client, "billing", &invoice_paid("evt_3", "in_3", 100)).await;
     store_event(&client, "billing", &invoice_event("evt_4", "test.panic", "in_4", "open", 0)).await;
@@ -750,7 +750,7 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     let by_id: std::collections::HashMap<&str, &Outcome> =
         claimed.iter().map(|c| c.key.event_id.as_str()).zip(outcomes.iter()).collect();
     assert_eq!(by_id["evt_1"], &Outcome::Processed);
-    assert!(matches!(by_id["evt_2"], Outcome::Failed(e) if e.contains("customer")), "{outcomes:?}");
+    assert!(matches!(by_id["evt_2"], Outcome::Failed(e) if e.contains("amount_paid")), "{outcomes:?}");
     assert_eq!(by_id["evt_3"], &Outcome::Processed);
     assert!(matches!(by_id["evt_4"], Outcome::Failed(e) if e.contains("panicked")), "{outcomes:?}");
     assert!(matches!(by_id["evt_5"], Outcome::Failed(e) if e.contains("57014")), "{outcomes:?}");

@@ -7,6 +7,13 @@
 //! voided (a payment is not undone by a late `invoice.voided`). Every event moves the invoice to
 //! the higher of its current and its own status, creating it when absent, so any delivery order
 //! of a lifecycle ends in the same state.
+//!
+//! The fields read, against the nullability of Stripe's invoice schema (checked with the invoice
+//! fixture of Stripe's OpenAPI repository and its Accounts v2 variant in `tests/e2e/stripe_shapes.rs`):
+//! `id` (string, never null) and `amount_paid` (integer, never null) are required — a payload
+//! without them is malformed and fails; `customer` and `customer_account` (nullable: under
+//! Accounts v2 `customer` is null and `customer_account` names the payer) are recorded as they come;
+//! `status` (nullable) only matters to `invoice.created`, where anything but `open` is `draft`.
 
 use std::collections::HashSet;
 
@@ -29,15 +36,15 @@ pub fn register(registry: &mut Registry) {
 /// `invoice.created`: insert if absent, with the payload's status when it is `draft` or `open`
 /// (`draft` otherwise); never changes an existing invoice.
 pub const INSERT_IF_ABSENT_SQL: &str = "\
-INSERT INTO invoices (id, customer_id, status)
-VALUES ($1, $2, $3)
+INSERT INTO invoices (id, customer_id, customer_account, status)
+VALUES ($1, $2, $4, $3)
 ON CONFLICT (id) DO NOTHING";
 
 /// Moves an invoice forward to `$3` (creating it when absent). The WHERE is the transition rule:
 /// only to a higher rank, never out of `void`, never from `paid` to `void`.
 pub const ADVANCE_SQL: &str = "\
-INSERT INTO invoices (id, customer_id, status)
-VALUES ($1, $2, $3)
+INSERT INTO invoices (id, customer_id, customer_account, status)
+VALUES ($1, $2, $4, $3)
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, updated_at = now()
  WHERE array_position(ARRAY['draft','open','uncollectible','paid','void'], EXCLUDED.status)
@@ -45,8 +52,8 @@ ON CONFLICT (id) DO UPDATE
    AND invoices.status <> 'void'
    AND NOT (invoices.status = 'paid' AND EXCLUDED.status = 'void')";
 
-/// `invoice.paid`, one statement for one event or a whole batch (`$1..$3`: arrays of invoice id,
-/// customer id and amount, in the events' order): upsert each invoice to `paid` unless it is
+/// `invoice.paid`, one statement for one event or a whole batch (`$1..$4`: arrays of invoice id,
+/// customer id, amount and customer account, in the events' order): upsert each invoice to `paid` unless it is
 /// already `paid` or `void`, and book those it moved — ledger once (UNIQUE (invoice_id,
 /// kind) is the second line of defence against the same payment sent as two Event objects), the
 /// outbox row only for a new booking — so status, ledger and outbox cannot disagree. An invoice
@@ -59,12 +66,13 @@ ON CONFLICT (id) DO UPDATE
 /// lookups: a plan cached while the table was small must not scan it once it is large.
 pub const PAY_SQL: &str = "\
 WITH input AS (
-    SELECT DISTINCT ON (id) id, customer_id, amount
-      FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS e(id, customer_id, amount, n)
+    SELECT DISTINCT ON (id) id, customer_id, customer_account, amount
+      FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[])
+           WITH ORDINALITY AS e(id, customer_id, amount, customer_account, n)
      ORDER BY id, n
 ), paid AS (
-    INSERT INTO invoices (id, customer_id, status, amount_paid, paid_at)
-    SELECT id, customer_id, 'paid', amount, now() FROM input ORDER BY id
+    INSERT INTO invoices (id, customer_id, customer_account, status, amount_paid, paid_at)
+    SELECT id, customer_id, customer_account, 'paid', amount, now() FROM input ORDER BY id
     ON CONFLICT (id) DO UPDATE
        SET status = 'paid',
            amount_paid = EXCLUDED.amount_paid,
@@ -112,25 +120,34 @@ SELECT $1, $2, 'payment_on_void_invoice', jsonb_build_object('amount_paid', $3::
  WHERE NOT EXISTS (SELECT 1 FROM reconciliation_items
                     WHERE invoice_id = $1 AND event_id = $2 AND reason = 'payment_on_void_invoice')";
 
+/// Who is billed: `customer` (a Customer), or `customer_account` under Accounts v2, where
+/// `customer` is null. Both are nullable in Stripe's schema; an invoice is recorded and booked
+/// whichever is present (the ledger does not need the payer). A field of another type than a
+/// string is a malformed payload.
+fn payer(event: &InboxEvent) -> Result<(Option<&str>, Option<&str>), HandlerError> {
+    Ok((event.object_opt_str("customer")?, event.object_opt_str("customer_account")?))
+}
+
 fn created<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
     Box::pin(async move {
         let id = event.object_str("id")?;
-        let customer = event.object_str("customer")?;
-        let status = match event.object_str("status") {
-            Ok("open") => "open",
+        let (customer, account) = payer(event)?;
+        // `status` is nullable too (and only draft or open make sense at creation).
+        let status = match event.object_opt_str("status") {
+            Ok(Some("open")) => "open",
             _ => "draft",
         };
         let stmt = tx.prepare_cached(INSERT_IF_ABSENT_SQL).await?;
-        tx.execute(&stmt, &[&id, &customer, &status]).await?;
+        tx.execute(&stmt, &[&id, &customer, &status, &account]).await?;
         Ok(())
     })
 }
 
 async fn advance(tx: &Transaction<'_>, event: &InboxEvent, status: &str) -> Result<(), HandlerError> {
     let id = event.object_str("id")?;
-    let customer = event.object_str("customer")?;
+    let (customer, account) = payer(event)?;
     let stmt = tx.prepare_cached(ADVANCE_SQL).await?;
-    tx.execute(&stmt, &[&id, &customer, &status]).await?;
+    tx.execute(&stmt, &[&id, &customer, &status, &account]).await?;
     Ok(())
 }
 
@@ -146,15 +163,22 @@ fn marked_uncollectible<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> H
     Box::pin(advance(tx, event, "uncollectible"))
 }
 
-/// The fields `invoice.paid` needs: invoice id, customer id, amount (never negative).
-fn paid_fields(event: &InboxEvent) -> Result<(&str, &str, i64), HandlerError> {
+/// The fields `invoice.paid` needs: invoice id, amount (never negative), and the payer.
+struct PaidFields<'a> {
+    id: &'a str,
+    amount: i64,
+    customer: Option<&'a str>,
+    account: Option<&'a str>,
+}
+
+fn paid_fields(event: &InboxEvent) -> Result<PaidFields<'_>, HandlerError> {
     let id = event.object_str("id")?;
-    let customer = event.object_str("customer")?;
+    let (customer, account) = payer(event)?;
     let amount = event.object_i64("amount_paid")?;
     if amount < 0 {
         return Err(HandlerError::Payload("data.object.amount_paid is negative".into()));
     }
-    Ok((id, customer, amount))
+    Ok(PaidFields { id, amount, customer, account })
 }
 
 fn paid<'a>(tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
@@ -169,15 +193,20 @@ fn paid_batch<'a>(tx: &'a Transaction<'_>, events: &'a [&'a InboxEvent]) -> Hand
 /// [`PAY_SQL`] for `events`, then, per event whose invoice it did not move, the fresh-snapshot path.
 async fn pay(tx: &Transaction<'_>, events: &[&InboxEvent]) -> Result<(), HandlerError> {
     let fields = events.iter().map(|e| paid_fields(e)).collect::<Result<Vec<_>, _>>()?;
-    let ids: Vec<&str> = fields.iter().map(|f| f.0).collect();
-    let customers: Vec<&str> = fields.iter().map(|f| f.1).collect();
-    let amounts: Vec<i64> = fields.iter().map(|f| f.2).collect();
+    let ids: Vec<&str> = fields.iter().map(|f| f.id).collect();
+    let customers: Vec<Option<&str>> = fields.iter().map(|f| f.customer).collect();
+    let amounts: Vec<i64> = fields.iter().map(|f| f.amount).collect();
+    let accounts: Vec<Option<&str>> = fields.iter().map(|f| f.account).collect();
     let stmt = tx.prepare_cached(PAY_SQL).await?;
-    let paid: HashSet<String> =
-        tx.query(&stmt, &[&ids, &customers, &amounts]).await?.into_iter().map(|row| row.get(0)).collect();
-    for (event, (id, _, amount)) in events.iter().zip(&fields) {
-        if !paid.contains(*id) {
-            settle_payment(tx, event, id, *amount).await?;
+    let paid: HashSet<String> = tx
+        .query(&stmt, &[&ids, &customers, &amounts, &accounts])
+        .await?
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect();
+    for (event, f) in events.iter().zip(&fields) {
+        if !paid.contains(f.id) {
+            settle_payment(tx, event, f.id, f.amount).await?;
         }
     }
     Ok(())
