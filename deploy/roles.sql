@@ -57,8 +57,11 @@ ALTER TABLE refinery_schema_history OWNER TO inbox_owner;
 GRANT SELECT ON refinery_schema_history TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
 
 -- inbox_ingest: the group-commit INSERT … ON CONFLICT DO NOTHING RETURNING endpoint, event_id.
--- Column privileges: it can neither read payloads nor change a row once stored.
-GRANT INSERT (provider, endpoint, event_id, event_type, payload, payload_bytes) ON webhook_inbox TO inbox_ingest;
+-- Column privileges: it can neither read payloads nor change a row once stored. Besides the event
+-- it writes how the delivery was verified, and parks on arrival a row it must hold (raw_body,
+-- held, parked_at, last_error: an unstorable body, a livemode that disagrees with the endpoint).
+GRANT INSERT (provider, endpoint, event_id, event_type, payload, payload_bytes, raw_body, held, parked_at,
+              last_error, secret_position, secret_fingerprint, signature_t) ON webhook_inbox TO inbox_ingest;
 GRANT SELECT (provider, endpoint, event_id) ON webhook_inbox TO inbox_ingest;
 
 -- inbox_worker: claim, lock, mark, record failures and hand back (UPDATE … RETURNING reads), and
@@ -81,4 +84,5 @@ GRANT SELECT (id) ON operator_audit TO inbox_operator;
 -- inbox_metrics: the columns the gauges, `stats` and the KEDA query count by; not payload or
 -- last_error (which can quote a payload).
 GRANT SELECT (provider, endpoint, event_id, event_type, received_at, available_at, attempts,
-              processed_at, parked_at, payload_bytes) ON webhook_inbox TO inbox_metrics;
+              processed_at, parked_at, payload_bytes, held, secret_position, secret_fingerprint,
+              signature_t) ON webhook_inbox TO inbox_metrics;

@@ -26,6 +26,7 @@ async fn slow_single_writer(extra: &str) -> TestApp {
     spawn_app_with(db, |s| {
         s.pool_size = 3;
         s.db_timeout = Duration::from_secs(10);
+        s.max_body = 1 << 20;
     })
     .await
 }
@@ -78,16 +79,37 @@ fn a_failing_batch_answers_503_to_each_of_its_requests() {
     assert!(count < sum, "the failure hit batches, not single requests: {count} batches, {sum} requests");
 }
 
+/// One poison request — a body `jsonb` refuses for its data (a NUL escape, class 22) or for its
+/// depth (the server's stack, 54001) — in a batch: every other request is 200 and stored, and
+/// the poison is kept too (held as unstorable), not 400 nor 503 on every retry.
 #[test]
-fn one_payload_the_database_refuses_does_not_fail_its_batch() {
+fn one_poison_request_in_a_batch_leaves_its_batch_mates_200_and_is_kept_itself() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let app = rt.block_on(slow_single_writer(""));
-    let mut requests: Vec<_> = (0..7).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
-    requests.push(signed(br#"{"id":"evt_nul","type":"invoice.paid","data":"\u0000"}"#.to_vec()));
-    let replies = concurrent_posts(&app.address, requests);
-    assert!(replies[..7].iter().all(|r| r.status == 200), "{replies:?}");
-    assert_eq!(replies[7].status, 400, "{replies:?}");
-    assert_eq!(rt.block_on(app.inbox_rows()), 7);
+    let deep = format!(
+        r#"{{"id":"evt_deep","type":"invoice.paid","data":{}{}}}"#,
+        "[".repeat(50_000),
+        "]".repeat(50_000)
+    );
+    for poison in [br#"{"id":"evt_nul","type":"invoice.paid","data":"\u0000"}"#.to_vec(), deep.into_bytes()] {
+        rt.block_on(async { app.db.client().await.batch_execute("TRUNCATE webhook_inbox").await.unwrap() });
+        let mut requests: Vec<_> =
+            (0..15).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
+        requests.insert(7, signed(poison));
+        let replies = concurrent_posts(&app.address, requests);
+        assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+        assert_eq!(rt.block_on(app.inbox_rows()), 16);
+        let held = rt.block_on(async {
+            inbox_test_support::db::scalar(
+                &app.db.client().await,
+                "SELECT count(*) FROM webhook_inbox WHERE held = 'unstorable'",
+            )
+            .await
+        });
+        assert_eq!(held, 1);
+    }
+    let (count, sum) = rt.block_on(batches(&app));
+    assert!(count < sum, "the poison shared batches with others: {count} batches, {sum} requests");
 }
 
 /// An ingest with four batch writers whose every INSERT takes 300 ms; each committed batch is

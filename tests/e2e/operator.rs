@@ -182,7 +182,8 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
     assert_eq!(
         empty,
         json!({"unprocessed": 0, "ready": 0, "leased": 0, "retry_wait": 0, "needs_review": 0,
-               "oldest_unprocessed_age_seconds": null, "processed_last_hour": 0, "by_event_type": []})
+               "oldest_unprocessed_age_seconds": null, "processed_last_hour": 0, "by_event_type": [],
+               "by_secret": []})
     );
 
     seed(
@@ -210,6 +211,7 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
         keys(&stats),
         [
             "by_event_type",
+            "by_secret",
             "leased",
             "needs_review",
             "oldest_unprocessed_age_seconds",
@@ -291,11 +293,15 @@ async fn needs_review_lists_parked_rows_oldest_first() {
     assert_eq!(
         keys(older),
         [
+            "account",
+            "api_version",
             "attempts",
             "endpoint",
             "event_id",
             "event_type",
+            "held",
             "last_error",
+            "livemode",
             "parked_at",
             "provider",
             "received_at"

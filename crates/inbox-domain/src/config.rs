@@ -11,6 +11,32 @@ use std::fmt;
 pub struct EndpointSpec {
     pub name: String,
     pub secrets: Vec<String>,
+    /// Which of Stripe's modes this endpoint serves, when declared: an event of the other mode is
+    /// stored and parked, never applied (a test event must not book into the live ledger). None:
+    /// both are applied.
+    pub mode: Option<EndpointMode>,
+}
+
+/// Stripe's two modes, as an endpoint declares the one it serves (`--endpoint-mode NAME=live`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointMode {
+    Live,
+    Test,
+}
+
+impl EndpointMode {
+    /// Whether an event's `livemode` belongs to this mode. An event without a boolean `livemode`
+    /// does not: it cannot show which mode it is from.
+    pub fn admits(self, livemode: Option<bool>) -> bool {
+        livemode == Some(self == EndpointMode::Live)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointMode::Live => "live",
+            EndpointMode::Test => "test",
+        }
+    }
 }
 
 impl fmt::Debug for EndpointSpec {
@@ -18,6 +44,7 @@ impl fmt::Debug for EndpointSpec {
         f.debug_struct("EndpointSpec")
             .field("name", &self.name)
             .field("secrets", &format_args!("[{} redacted]", self.secrets.len()))
+            .field("mode", &self.mode)
             .finish()
     }
 }
@@ -35,6 +62,12 @@ pub enum EndpointConfigError {
     EmptySecret(String),
     #[error("endpoint {0:?} is configured twice")]
     Duplicate(String),
+    #[error("endpoint mode entry #{0} is not NAME=live or NAME=test")]
+    BadMode(usize),
+    #[error("endpoint mode given for {0:?}, which is not a configured endpoint")]
+    ModeForUnknownEndpoint(String),
+    #[error("endpoint {0:?} has its mode declared twice")]
+    DuplicateMode(String),
 }
 
 /// The longest endpoint name accepted; names appear in URLs, rows and metric labels.
@@ -70,12 +103,43 @@ pub fn parse_endpoints<S: AsRef<str>>(entries: &[S]) -> Result<Vec<EndpointSpec>
         if specs.iter().any(|s| s.name == name) {
             return Err(EndpointConfigError::Duplicate(name.to_owned()));
         }
-        specs.push(EndpointSpec { name: name.to_owned(), secrets });
+        specs.push(EndpointSpec { name: name.to_owned(), secrets, mode: None });
     }
     if specs.is_empty() {
         return Err(EndpointConfigError::None);
     }
     Ok(specs)
+}
+
+/// Applies `--endpoint-mode` entries, each `NAME=live` or `NAME=test` (or one `;`-separated item
+/// of `INBOX_ENDPOINT_MODES`), to the endpoints configured. Empty entries are skipped; a mode for
+/// an endpoint that is not configured is refused (a typo would otherwise leave the real endpoint
+/// unguarded).
+pub fn apply_endpoint_modes<S: AsRef<str>>(
+    specs: &mut [EndpointSpec],
+    entries: &[S],
+) -> Result<(), EndpointConfigError> {
+    for (i, entry) in entries.iter().enumerate() {
+        let entry = entry.as_ref().trim();
+        if entry.is_empty() {
+            continue;
+        }
+        let (name, mode) = entry.split_once('=').ok_or(EndpointConfigError::BadMode(i + 1))?;
+        let mode = match mode.trim() {
+            "live" => EndpointMode::Live,
+            "test" => EndpointMode::Test,
+            _ => return Err(EndpointConfigError::BadMode(i + 1)),
+        };
+        let name = name.trim();
+        let spec = specs
+            .iter_mut()
+            .find(|s| s.name == name)
+            .ok_or_else(|| EndpointConfigError::ModeForUnknownEndpoint(name.to_owned()))?;
+        if spec.mode.replace(mode).is_some() {
+            return Err(EndpointConfigError::DuplicateMode(name.to_owned()));
+        }
+    }
+    Ok(())
 }
 
 /// Splits the text of an endpoints file or variable into entries: `;` or newlines separate them,
@@ -128,6 +192,30 @@ mod tests {
         for e in [EndpointConfigError::NotNameEqualsSecret(1), EndpointConfigError::BadName(2)] {
             assert!(!e.to_string().contains("whsec"));
         }
+    }
+
+    #[test]
+    fn endpoint_modes_apply_to_configured_endpoints_and_refuse_anything_else() {
+        let mut specs = parse_endpoints(&["billing=whsec_a", "sandbox=whsec_b", "other=whsec_c"]).unwrap();
+        apply_endpoint_modes(&mut specs, &["billing=live", " sandbox = test ", ""]).unwrap();
+        let modes: Vec<_> = specs.iter().map(|s| s.mode).collect();
+        assert_eq!(modes, [Some(EndpointMode::Live), Some(EndpointMode::Test), None]);
+        assert!(EndpointMode::Live.admits(Some(true)));
+        assert!(!EndpointMode::Live.admits(Some(false)));
+        assert!(!EndpointMode::Live.admits(None), "an event that cannot show its mode is not admitted");
+        assert!(EndpointMode::Test.admits(Some(false)));
+
+        let mut specs = parse_endpoints(&["billing=whsec_a"]).unwrap();
+        assert_eq!(apply_endpoint_modes(&mut specs, &["billing=prod"]), Err(EndpointConfigError::BadMode(1)));
+        assert_eq!(apply_endpoint_modes(&mut specs, &["billing"]), Err(EndpointConfigError::BadMode(1)));
+        assert_eq!(
+            apply_endpoint_modes(&mut specs, &["biling=live"]),
+            Err(EndpointConfigError::ModeForUnknownEndpoint("biling".into()))
+        );
+        assert_eq!(
+            apply_endpoint_modes(&mut specs, &["billing=live", "billing=test"]),
+            Err(EndpointConfigError::DuplicateMode("billing".into()))
+        );
     }
 
     #[test]

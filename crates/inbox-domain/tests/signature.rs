@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use inbox_domain::inbox::signature::{compute_v1, sign_header, ConfigError, SignatureError, Verifier};
+use inbox_domain::inbox::signature::{
+    compute_v1, fingerprint, sign_header, ConfigError, SignatureError, Verified, Verifier,
+};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde::Deserialize;
@@ -84,7 +86,8 @@ fn fixtures_have_the_expected_error_kinds() {
     };
     for v in &fixture.vectors {
         let verifier = Verifier::new(&v.secrets, Duration::from_secs(v.tolerance_s)).unwrap();
-        let got = verifier.verify(Some(v.header.as_bytes()), v.payload.as_bytes(), v.now);
+        let got =
+            verifier.verify(Some(v.header.as_bytes()), v.payload.as_bytes(), v.now).map(|v| v.timestamp);
         match (expect(&v.name), got) {
             (Err(SignatureError::Malformed(_)), Err(SignatureError::Malformed(_))) => {}
             (want, got) => assert_eq!(got, want, "vector {:?}", v.name),
@@ -102,6 +105,22 @@ fn in_tree_fixture_is_a_copy_of_the_shared_one() {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => panic!("cannot read {SHARED_FIXTURE}: {e}"),
     }
+}
+
+#[test]
+fn verification_names_the_secret_that_matched_by_position_and_a_stable_fingerprint() {
+    let rolling = Verifier::new(&["whsec_old", "whsec_new"], Duration::from_secs(TOL)).unwrap();
+    for (position, secret) in ["whsec_old", "whsec_new"].into_iter().enumerate() {
+        let header = sign_header(secret, NOW, BODY);
+        assert_eq!(
+            rolling.verify(Some(header.as_bytes()), BODY, NOW),
+            Ok(Verified { timestamp: NOW, secret: position })
+        );
+    }
+    // SHA-256 prefixes computed independently (Python's hashlib); never the secret itself.
+    assert_eq!(rolling.fingerprints(), ["3d269a69", "06626a5e"]);
+    assert_eq!(fingerprint("whsec_old"), "3d269a69");
+    assert!(!format!("{rolling:?}").contains("whsec"));
 }
 
 #[test]
@@ -126,7 +145,7 @@ fn good_sig() -> String {
 }
 
 fn check(header: &str) -> Result<i64, SignatureError> {
-    verifier().verify(Some(header.as_bytes()), BODY, NOW)
+    verifier().verify(Some(header.as_bytes()), BODY, NOW).map(|v| v.timestamp)
 }
 
 fn assert_malformed(header: &str) {
@@ -192,7 +211,7 @@ fn t_out_of_range_is_malformed() {
 #[test]
 fn t_at_i64_max_is_parsed() {
     let header = sign_header(SECRET, i64::MAX, BODY);
-    assert_eq!(verifier().verify(Some(header.as_bytes()), BODY, i64::MAX), Ok(i64::MAX));
+    assert_eq!(verifier().verify(Some(header.as_bytes()), BODY, i64::MAX).map(|v| v.timestamp), Ok(i64::MAX));
     assert_eq!(
         verifier().verify(Some(header.as_bytes()), BODY, i64::MIN),
         Err(SignatureError::TimestampOutsideTolerance)
@@ -347,7 +366,7 @@ fn non_utf8_header_is_malformed() {
 // ---------------------------------------------------------------------------------------------
 
 fn at(t: i64, now: i64) -> Result<i64, SignatureError> {
-    verifier().verify(Some(sign_header(SECRET, t, BODY).as_bytes()), BODY, now)
+    verifier().verify(Some(sign_header(SECRET, t, BODY).as_bytes()), BODY, now).map(|v| v.timestamp)
 }
 
 #[test]
@@ -385,14 +404,14 @@ fn extreme_clocks_do_not_panic() {
     assert_eq!(at(0, 0), Ok(0));
     let forever = Verifier::new(&[SECRET], Duration::MAX).unwrap();
     let header = sign_header(SECRET, 0, BODY);
-    assert_eq!(forever.verify(Some(header.as_bytes()), BODY, i64::MIN), Ok(0));
+    assert_eq!(forever.verify(Some(header.as_bytes()), BODY, i64::MIN).map(|v| v.timestamp), Ok(0));
 }
 
 #[test]
 fn sub_second_tolerance_only_accepts_the_same_second() {
     let v = Verifier::new(&[SECRET], Duration::from_millis(500)).unwrap();
     let header = sign_header(SECRET, NOW, BODY);
-    assert_eq!(v.verify(Some(header.as_bytes()), BODY, NOW), Ok(NOW));
+    assert_eq!(v.verify(Some(header.as_bytes()), BODY, NOW).map(|v| v.timestamp), Ok(NOW));
     assert_eq!(
         v.verify(Some(header.as_bytes()), BODY, NOW + 1),
         Err(SignatureError::TimestampOutsideTolerance)
@@ -404,7 +423,7 @@ fn verify_now_uses_the_system_clock() {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
     let v = verifier();
     let fresh = sign_header(SECRET, now, BODY);
-    assert_eq!(v.verify_now(Some(fresh.as_bytes()), BODY), Ok(now));
+    assert_eq!(v.verify_now(Some(fresh.as_bytes()), BODY).map(|v| v.timestamp), Ok(now));
     let stale = sign_header(SECRET, now - 3_600, BODY);
     assert_eq!(v.verify_now(Some(stale.as_bytes()), BODY), Err(SignatureError::TimestampOutsideTolerance));
     assert_eq!(v.verify_now(None, BODY), Err(SignatureError::MissingHeader));
@@ -433,14 +452,14 @@ fn body_altered_by_one_byte_is_no_match() {
 fn non_utf8_body_is_verified_on_bytes() {
     let body: &[u8] = b"\xff\xfe\x00{\"id\":\"evt\xc3\x28\"}\x80";
     let header = sign_header(SECRET, NOW, body);
-    assert_eq!(verifier().verify(Some(header.as_bytes()), body, NOW), Ok(NOW));
+    assert_eq!(verifier().verify(Some(header.as_bytes()), body, NOW).map(|v| v.timestamp), Ok(NOW));
     assert_eq!(verifier().verify(Some(header.as_bytes()), &body[1..], NOW), Err(SignatureError::NoMatch));
 }
 
 #[test]
 fn empty_body_is_verified() {
     let header = sign_header(SECRET, NOW, b"");
-    assert_eq!(verifier().verify(Some(header.as_bytes()), b"", NOW), Ok(NOW));
+    assert_eq!(verifier().verify(Some(header.as_bytes()), b"", NOW).map(|v| v.timestamp), Ok(NOW));
 }
 
 #[test]
@@ -448,7 +467,7 @@ fn any_secret_of_the_endpoint_matches() {
     let v = Verifier::new(&[SECRET, SECRET_2], Duration::from_secs(TOL)).unwrap();
     for secret in [SECRET, SECRET_2] {
         let header = sign_header(secret, NOW, BODY);
-        assert_eq!(v.verify(Some(header.as_bytes()), BODY, NOW), Ok(NOW));
+        assert_eq!(v.verify(Some(header.as_bytes()), BODY, NOW).map(|v| v.timestamp), Ok(NOW));
     }
     let header = sign_header(OTHER_SECRET, NOW, BODY);
     assert_eq!(v.verify(Some(header.as_bytes()), BODY, NOW), Err(SignatureError::NoMatch));
@@ -495,7 +514,10 @@ fn new_accepts_strings_and_strs() {
     let now = 1_795_000_000;
     let owned = vec![SECRET.to_string(), SECRET_2.to_string()];
     let v = Verifier::new(&owned, Duration::from_secs(60)).unwrap();
-    assert_eq!(v.verify(Some(sign_header(SECRET_2, now, body).as_bytes()), body, now + 60), Ok(now));
+    assert_eq!(
+        v.verify(Some(sign_header(SECRET_2, now, body).as_bytes()), body, now + 60).map(|v| v.timestamp),
+        Ok(now)
+    );
     assert_eq!(
         v.verify(Some(sign_header(SECRET_2, now, body).as_bytes()), body, now + 61),
         Err(SignatureError::TimestampOutsideTolerance)
@@ -633,7 +655,7 @@ proptest! {
     ) {
         let verifier = Verifier::new(&secrets, Duration::from_secs(tol)).unwrap();
         let header = sign_header(&secrets[which.index(secrets.len())], t, &body);
-        prop_assert_eq!(verifier.verify(Some(header.as_bytes()), &body, t + offset), Ok(t));
+        prop_assert_eq!(verifier.verify(Some(header.as_bytes()), &body, t + offset).map(|v| v.timestamp), Ok(t));
     }
 
     /// (b) Flipping any bits of any one byte of the body makes verification fail.

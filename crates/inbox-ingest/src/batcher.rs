@@ -8,8 +8,10 @@
 //! a commit of five rows costs PostgreSQL nearly what one of thirty does, so at moderate rates one
 //! writer at a time takes everything that arrived during the previous commit, and the others
 //! join as the queue grows. A failed batch answers 503 to each of its requests; a batch refused
-//! for its data (class 22, e.g. a `\u0000` that `jsonb` rejects) is retried one row at a time so
-//! only the offending request gets its 400.
+//! for its data (see [`BatchError::Refused`]: the same rows fail on every retry) is retried one row
+//! at a time, so one poison request never fails its neighbours. A single body that `jsonb`
+//! refuses is stored all the same, byte for byte, held as unstorable and parked (see
+//! `store::ingest::INSERT_UNSTORABLE_SQL`): its signature was valid, so it is Stripe's.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,7 +22,7 @@ use actix_web::web::Bytes;
 use deadpool_postgres::Pool;
 use inbox_domain::budget::{ByteBudget, BytesHeld};
 use inbox_domain::db::Pooler;
-use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent};
+use inbox_domain::inbox::store::ingest::{self as store, Held, InsertOutcome, NewEvent, Provenance};
 use inbox_domain::PROVIDER_STRIPE;
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 use tokio_postgres::error::SqlState;
@@ -34,6 +36,11 @@ struct Pending {
     event_id: String,
     event_type: String,
     payload: Bytes,
+    /// Set when the row is parked on arrival: why, and the message for `needs-review`.
+    held: Option<(Held, String)>,
+    secret_position: i16,
+    secret_fingerprint: Arc<str>,
+    signature_t: i64,
     reply: oneshot::Sender<Result<InsertOutcome, IngestError>>,
     /// The payload's share of the bytes in flight, given back when the batch is written — not
     /// when the request gives up waiting: the payload stays queued until then.
@@ -90,22 +97,20 @@ impl Batcher {
 
     /// Stores one event; resolves once its batch committed (or failed). Waits first for the
     /// payload's room in the bytes in flight.
-    pub async fn insert(
-        &self,
-        endpoint: &str,
-        event_id: &str,
-        event_type: &str,
-        payload: Bytes,
-    ) -> Result<InsertOutcome, IngestError> {
-        let held = self.payloads.take(payload.len() as u64).await;
+    pub async fn insert(&self, event: Verified<'_>, payload: Bytes) -> Result<InsertOutcome, IngestError> {
+        let room = self.payloads.take(payload.len() as u64).await;
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
-            endpoint: endpoint.to_owned(),
-            event_id: event_id.to_owned(),
-            event_type: event_type.to_owned(),
+            endpoint: event.endpoint.to_owned(),
+            event_id: event.event_id.to_owned(),
+            event_type: event.event_type.to_owned(),
             payload,
+            held: event.held,
+            secret_position: event.secret_position,
+            secret_fingerprint: event.secret_fingerprint,
+            signature_t: event.signature_t,
             reply,
-            _held: held,
+            _held: room,
         };
         self.queue.send(pending).await.map_err(|_| IngestError::Unavailable("shutting down"))?;
         if self.queue.max_capacity() - self.queue.capacity() >= JOIN_AT - 1 {
@@ -113,6 +118,37 @@ impl Batcher {
             self.writers.changed.notify_one();
         }
         answer.await.map_err(|_| IngestError::Unavailable("writer stopped"))?
+    }
+}
+
+/// A verified event, as the route hands it to [`Batcher::insert`].
+pub struct Verified<'a> {
+    pub endpoint: &'a str,
+    pub event_id: &'a str,
+    pub event_type: &'a str,
+    /// Set when the row must be parked on arrival (a livemode that disagrees with the endpoint).
+    pub held: Option<(Held, String)>,
+    /// Position of the verifying secret in the endpoint's list, from 0.
+    pub secret_position: i16,
+    pub secret_fingerprint: Arc<str>,
+    /// The signature header's `t`.
+    pub signature_t: i64,
+}
+
+impl Pending {
+    fn row(&self) -> NewEvent<'_> {
+        NewEvent {
+            endpoint: &self.endpoint,
+            event_id: &self.event_id,
+            event_type: &self.event_type,
+            payload: &self.payload,
+            held: self.held.as_ref().map(|(held, reason)| (*held, reason.as_str())),
+            provenance: Provenance {
+                secret_position: self.secret_position,
+                secret_fingerprint: &self.secret_fingerprint,
+                signature_t: self.signature_t,
+            },
+        }
     }
 }
 
@@ -174,12 +210,7 @@ async fn write(target: &Target, batch: Vec<Pending>) {
     let mut rows = Vec::with_capacity(batch.len());
     for (i, p) in batch.iter().enumerate() {
         if *first_of.entry((p.endpoint.as_str(), p.event_id.as_str())).or_insert(i) == i {
-            rows.push(NewEvent {
-                endpoint: &p.endpoint,
-                event_id: &p.event_id,
-                event_type: &p.event_type,
-                payload: &p.payload,
-            });
+            rows.push(p.row());
         }
     }
     let result = insert(target, &rows).await;
@@ -197,24 +228,18 @@ async fn write(target: &Target, batch: Vec<Pending>) {
                 })
             })
             .collect(),
-        Err(BatchError::Data) if rows.len() > 1 => {
-            // One bad payload must not fail its neighbours: retry each row on its own.
+        Err(BatchError::Refused { .. }) if rows.len() > 1 => {
+            // One poison request must not fail its neighbours on every retry: each row on its own.
             let mut answers = Vec::with_capacity(batch.len());
             for (i, p) in batch.iter().enumerate() {
                 let first = first_of[&(p.endpoint.as_str(), p.event_id.as_str())] == i;
-                let row = NewEvent {
-                    endpoint: &p.endpoint,
-                    event_id: &p.event_id,
-                    event_type: &p.event_type,
-                    payload: &p.payload,
-                };
-                answers.push(match insert(target, std::slice::from_ref(&row)).await {
-                    Ok(inserted) if first && !inserted.is_empty() => Ok(InsertOutcome::Accepted),
-                    Ok(_) => Ok(InsertOutcome::Duplicate),
-                    Err(e) => Err(e.into()),
-                });
+                answers.push(store_one(target, &p.row(), first).await);
             }
             answers
+        }
+        Err(refused @ BatchError::Refused { .. }) => {
+            let first = &batch[0];
+            vec![keep_refused(target, &first.row(), refused).await]
         }
         Err(e) => {
             let e: IngestError = e.into();
@@ -227,10 +252,59 @@ async fn write(target: &Target, batch: Vec<Pending>) {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+/// How one row is answered when written on its own: stored, a duplicate, or kept as unstorable.
+async fn store_one(target: &Target, row: &NewEvent<'_>, first: bool) -> Result<InsertOutcome, IngestError> {
+    match insert(target, std::slice::from_ref(row)).await {
+        Ok(inserted) if first && !inserted.is_empty() => Ok(InsertOutcome::Accepted),
+        Ok(_) => Ok(InsertOutcome::Duplicate),
+        Err(refused @ BatchError::Refused { .. }) => keep_refused(target, row, refused).await,
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A single row PostgreSQL refused. When `jsonb` refused the body (class 22: a `\u0000`, a lone
+/// surrogate; 54001: nested deeper than the server's stack) the body is kept byte for byte and
+/// the row parked: the signature was valid, so it is Stripe's, and a 4xx would only make Stripe
+/// retry it for three days and drop it. Any other refusal is ours (a constraint of the table):
+/// 503, so the event is delivered again once it is fixed.
+async fn keep_refused(
+    target: &Target,
+    row: &NewEvent<'_>,
+    refused: BatchError,
+) -> Result<InsertOutcome, IngestError> {
+    let BatchError::Refused { sqlstate, message, body } = refused else {
+        return Err(refused.into());
+    };
+    if !body {
+        tracing::error!(sqlstate, message, "insert refused by a constraint of the inbox table");
+        return Err(IngestError::Unavailable("database refused the row"));
+    }
+    let reason = format!("unstorable: PostgreSQL refused the body as jsonb: {message} (SQLSTATE {sqlstate}); the exact bytes are in raw_body");
+    let reason = inbox_domain::inbox::store::truncate_error(&reason);
+    let work = async {
+        let client = target.pool.get().await.map_err(|_| IngestError::Unavailable("no connection"))?;
+        store::insert_unstorable(&client, PROVIDER_STRIPE, row, reason, target.timeout).await.map_err(|e| {
+            tracing::warn!(error = %inbox_domain::db::describe_db_error(&e), "storing an unstorable body failed");
+            IngestError::Unavailable("database error")
+        })
+    };
+    match tokio::time::timeout(target.timeout, work).await {
+        Ok(Ok(true)) => {
+            tracing::warn!(sqlstate, "verified body refused by jsonb: kept in raw_body and parked");
+            Ok(InsertOutcome::Unstorable)
+        }
+        Ok(Ok(false)) => Ok(InsertOutcome::Duplicate),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(IngestError::Unavailable("timed out")),
+    }
+}
+
+#[derive(Debug, Clone)]
 enum BatchError {
-    /// PostgreSQL refused the data (class 22): the same rows fail on every retry.
-    Data,
+    /// PostgreSQL refused the rows themselves: the same rows fail on every retry. `body`: the
+    /// refusal is `jsonb`'s judgement of a payload (class 22, or 54001 for nesting deeper than the
+    /// server's stack) rather than one of the table's constraints (class 23, other class 54).
+    Refused { sqlstate: String, message: String, body: bool },
     /// Anything else: a retry may pass.
     Unavailable(&'static str),
 }
@@ -238,7 +312,7 @@ enum BatchError {
 impl From<BatchError> for IngestError {
     fn from(e: BatchError) -> Self {
         match e {
-            BatchError::Data => IngestError::PayloadRefused,
+            BatchError::Refused { .. } => IngestError::Unavailable("database refused the row"),
             BatchError::Unavailable(cause) => IngestError::Unavailable(cause),
         }
     }
@@ -262,14 +336,19 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
 }
 
 /// A connection lost during the commit leaves the outcome unknown: 503, and the redelivery meets
-/// `ON CONFLICT` and is answered as a duplicate.
+/// `ON CONFLICT` and is answered as a duplicate. A refusal of the data itself is deterministic
+/// (classes 22 and 23, and 54 — program limits such as the stack depth a deeply nested body
+/// exhausts): retrying the batch as it is would fail the same way.
 fn classify(e: tokio_postgres::Error) -> BatchError {
     match e.code() {
-        Some(code) if code.code().starts_with("22") => {
-            tracing::warn!(sqlstate = code.code(), "payload refused by the database");
-            BatchError::Data
-        }
         Some(code) if *code == SqlState::QUERY_CANCELED => BatchError::Unavailable("statement timeout"),
+        Some(code) if ["22", "23", "54"].contains(&&code.code()[..2]) => {
+            let sqlstate = code.code().to_owned();
+            let message = e.as_db_error().map(|db| db.message().to_owned()).unwrap_or_default();
+            tracing::warn!(sqlstate, "rows refused by the database");
+            let body = sqlstate.starts_with("22") || *code == SqlState::STATEMENT_TOO_COMPLEX;
+            BatchError::Refused { sqlstate, message, body }
+        }
         _ => {
             tracing::warn!(error = %inbox_domain::db::describe_db_error(&e), "insert failed");
             BatchError::Unavailable("database error")

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use inbox_domain::config::{
-    parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec,
+    apply_endpoint_modes, parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec,
 };
 use inbox_domain::db::{DatabaseConfig, Pooler};
 use inbox_domain::telemetry::LogFormat;
@@ -39,6 +39,17 @@ pub struct Cli {
     /// secrets mounted as files.
     #[arg(long, env = "INBOX_ENDPOINTS_FILE", value_name = "PATH")]
     pub endpoints_file: Option<PathBuf>,
+
+    /// Declares which of Stripe's modes an endpoint serves, NAME=live|test (repeatable; the
+    /// environment form separates entries with `;`). An event whose `livemode` disagrees is stored
+    /// and parked for a person, never applied. Endpoints not named apply events of both modes.
+    #[arg(
+        long = "endpoint-mode",
+        value_name = "NAME=live|test",
+        env = "INBOX_ENDPOINT_MODES",
+        value_delimiter = ';'
+    )]
+    pub endpoint_modes: Vec<String>,
 
     /// Largest accepted age (or future skew) of a signature timestamp; 0 is refused.
     #[arg(long, env = "INBOX_SIGNATURE_TOLERANCE", default_value = "5m", value_parser = parse_duration)]
@@ -108,7 +119,9 @@ impl Cli {
                 .with_context(|| format!("reading the endpoints file {}", path.display()))?;
             entries.extend(split_endpoint_list(&text));
         }
-        let endpoints = parse_endpoints(&entries).context("invalid endpoint configuration")?;
+        let mut endpoints = parse_endpoints(&entries).context("invalid endpoint configuration")?;
+        apply_endpoint_modes(&mut endpoints, &self.endpoint_modes)
+            .context("invalid endpoint configuration")?;
         if self.tolerance.is_zero() {
             anyhow::bail!(
                 "--tolerance / INBOX_SIGNATURE_TOLERANCE must be above 0 (0 would disable the freshness check)"

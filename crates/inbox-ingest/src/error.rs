@@ -23,8 +23,6 @@ pub enum IngestError {
     BadSignature(SignatureError),
     #[error("{0}")]
     BadPayload(EventHeadError),
-    #[error("payload refused by the database")]
-    PayloadRefused,
     /// The database could not confirm the row in time. Stripe retries; the retry is deduplicated.
     #[error("database unavailable")]
     Unavailable(&'static str),
@@ -40,7 +38,7 @@ impl IngestError {
             IngestError::BodyTimeout => "body_timeout",
             IngestError::BodyRead => "body_read_error",
             IngestError::BadSignature(_) => "bad_signature",
-            IngestError::BadPayload(_) | IngestError::PayloadRefused => "bad_payload",
+            IngestError::BadPayload(_) => "bad_payload",
             IngestError::Unavailable(_) => "unavailable",
         }
     }
@@ -53,10 +51,9 @@ impl ResponseError for IngestError {
             IngestError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             IngestError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             IngestError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            IngestError::BodyRead
-            | IngestError::BadSignature(_)
-            | IngestError::BadPayload(_)
-            | IngestError::PayloadRefused => StatusCode::BAD_REQUEST,
+            IngestError::BodyRead | IngestError::BadSignature(_) | IngestError::BadPayload(_) => {
+                StatusCode::BAD_REQUEST
+            }
             IngestError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }

@@ -26,6 +26,18 @@ struct SignatureLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SecretLabels {
+    endpoint: String,
+    /// The secret's fingerprint, never the secret.
+    secret: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabel {
+    endpoint: String,
+}
+
 /// The label used for requests to endpoints that are not configured, so that scanning random
 /// names cannot grow the number of series.
 pub const UNKNOWN_ENDPOINT_LABEL: &str = "_unknown";
@@ -37,6 +49,8 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     duration: Family<OutcomeLabel, Histogram>,
     signature_failures: Family<SignatureLabels, Counter>,
+    verified: Family<SecretLabels, Counter>,
+    unstorable: Family<EndpointLabel, Counter>,
     batch_size: Histogram,
 }
 
@@ -67,6 +81,19 @@ impl Metrics {
             "Requests refused by signature verification, by endpoint and reason",
             signature_failures.clone(),
         );
+        let verified = Family::<SecretLabels, Counter>::default();
+        registry.register(
+            "inbox_ingest_verified",
+            "Deliveries whose signature verified, by endpoint and the fingerprint of the secret that \
+             verified them (an old secret at 0 for a day is safe to remove)",
+            verified.clone(),
+        );
+        let unstorable = Family::<EndpointLabel, Counter>::default();
+        registry.register(
+            "inbox_ingest_unstorable",
+            "Verified bodies PostgreSQL's jsonb refused: kept byte for byte and parked for a person",
+            unstorable.clone(),
+        );
         let batch_size =
             Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1.0, 2.0, 9));
         registry.register(
@@ -74,7 +101,36 @@ impl Metrics {
             "Requests written by each group-commit INSERT",
             batch_size.clone(),
         );
-        Metrics { registry: Arc::new(registry), requests, duration, signature_failures, batch_size }
+        Metrics {
+            registry: Arc::new(registry),
+            requests,
+            duration,
+            signature_failures,
+            verified,
+            unstorable,
+            batch_size,
+        }
+    }
+
+    /// Creates an endpoint's per-secret and unstorable series at 0, so that a rate over them is
+    /// defined from the start and the first unstorable body is an increase an alert sees (a
+    /// series born at 1 shows no increase to `increase()`).
+    pub fn register_endpoint(&self, endpoint: &str, fingerprints: &[std::sync::Arc<str>]) {
+        for fingerprint in fingerprints {
+            let labels = SecretLabels { endpoint: endpoint.to_owned(), secret: fingerprint.to_string() };
+            drop(self.verified.get_or_create(&labels));
+        }
+        drop(self.unstorable.get_or_create(&EndpointLabel { endpoint: endpoint.to_owned() }));
+    }
+
+    pub fn verified(&self, endpoint: &str, fingerprint: &str) {
+        self.verified
+            .get_or_create(&SecretLabels { endpoint: endpoint.to_owned(), secret: fingerprint.to_owned() })
+            .inc();
+    }
+
+    pub fn unstorable(&self, endpoint: &str) {
+        self.unstorable.get_or_create(&EndpointLabel { endpoint: endpoint.to_owned() }).inc();
     }
 
     pub fn record(&self, endpoint: &str, outcome: &'static str, elapsed: Duration) {

@@ -7,10 +7,11 @@ use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
 use inbox_domain::inbox::event::EventHead;
 use inbox_domain::inbox::signature;
-use inbox_domain::inbox::store::ingest::InsertOutcome;
+use inbox_domain::inbox::store::ingest::{Held, InsertOutcome};
 use inbox_domain::PROVIDER_STRIPE;
 use tracing::Instrument as _;
 
+use crate::batcher::Verified;
 use crate::error::IngestError;
 use crate::metrics::UNKNOWN_ENDPOINT_LABEL;
 use crate::startup::AppState;
@@ -41,13 +42,13 @@ pub async fn receive_webhook(
     let elapsed = started.elapsed();
     let _entered = span.enter();
     match &result {
-        Ok(outcome) => {
-            state.metrics.record(label, outcome.as_str(), elapsed);
-            tracing::info!(
-                outcome = outcome.as_str(),
-                elapsed_ms = elapsed.as_secs_f64() * 1e3,
-                "webhook stored"
-            );
+        Ok(stored) => {
+            let outcome = stored.label();
+            state.metrics.record(label, outcome, elapsed);
+            if stored.outcome == InsertOutcome::Unstorable {
+                state.metrics.unstorable(label);
+            }
+            tracing::info!(outcome, elapsed_ms = elapsed.as_secs_f64() * 1e3, "webhook stored");
         }
         Err(e) => {
             state.metrics.record(label, e.outcome(), elapsed);
@@ -64,7 +65,32 @@ pub async fn receive_webhook(
             }
         }
     }
-    result.map(|outcome| HttpResponse::Ok().json(serde_json::json!({ "status": outcome.as_str() })))
+    result.map(|stored| HttpResponse::Ok().json(serde_json::json!({ "status": stored.status() })))
+}
+
+/// What became of a verified event.
+struct Stored {
+    outcome: InsertOutcome,
+    /// Why the row was parked on arrival, when it was (and was new).
+    held: Option<Held>,
+}
+
+impl Stored {
+    /// The answer's `status`: whatever is kept is `accepted` to the sender.
+    fn status(&self) -> &'static str {
+        match self.outcome {
+            InsertOutcome::Duplicate => "duplicate",
+            InsertOutcome::Accepted | InsertOutcome::Unstorable => "accepted",
+        }
+    }
+
+    /// The metric and log label: held rows are counted apart from the accepted ones.
+    fn label(&self) -> &'static str {
+        match (self.outcome, self.held) {
+            (InsertOutcome::Accepted, Some(Held::Livemode)) => "held_livemode",
+            (outcome, _) => outcome.as_str(),
+        }
+    }
 }
 
 async fn receive(
@@ -72,8 +98,8 @@ async fn receive(
     endpoint: &str,
     headers: &HeaderMap,
     payload: web::Payload,
-) -> Result<InsertOutcome, IngestError> {
-    let verifier = state.endpoints.get(endpoint).ok_or(IngestError::UnknownEndpoint)?;
+) -> Result<Stored, IngestError> {
+    let config = state.endpoints.get(endpoint).ok_or(IngestError::UnknownEndpoint)?;
     tracing::Span::current().record("endpoint", endpoint);
     let header_bytes: usize = headers.iter().map(|(name, value)| name.as_str().len() + value.len() + 4).sum();
     if header_bytes > MAX_HEADER_BYTES {
@@ -90,7 +116,9 @@ async fn receive(
             "more than one Stripe-Signature header",
         )));
     }
-    verifier.verify_now(header, &body).map_err(IngestError::BadSignature)?;
+    let verified = config.verifier.verify_now(header, &body).map_err(IngestError::BadSignature)?;
+    let fingerprint = config.fingerprints[verified.secret].clone();
+    state.metrics.verified(endpoint, &fingerprint);
 
     // Only a verified body is parsed, and only a parsed one reaches the database.
     let head = EventHead::parse(&body).map_err(IngestError::BadPayload)?;
@@ -98,15 +126,41 @@ async fn receive(
     span.record("event_id", head.id.as_ref());
     span.record("event_type", head.event_type.as_ref());
 
-    let stored = state.batcher.insert(endpoint, &head.id, &head.event_type, body.clone());
+    let held = match config.mode {
+        Some(mode) if !mode.admits(head.livemode) => Some((
+            Held::Livemode,
+            format!(
+                "livemode: the event's livemode is {} and endpoint {endpoint} is declared {}: stored, not applied",
+                head.livemode.map_or("absent", |live| if live { "true" } else { "false" }),
+                mode.as_str()
+            ),
+        )),
+        _ => None,
+    };
+    let held_kind = held.as_ref().map(|(kind, _)| *kind);
+    let event = Verified {
+        endpoint,
+        event_id: &head.id,
+        event_type: &head.event_type,
+        held,
+        secret_position: i16::try_from(verified.secret).unwrap_or(i16::MAX),
+        secret_fingerprint: fingerprint,
+        signature_t: verified.timestamp,
+    };
+    let stored = state.batcher.insert(event, body.clone());
     let outcome = match tokio::time::timeout(state.db_timeout, stored).await {
         Ok(result) => result?,
         Err(_) => return Err(IngestError::Unavailable("timed out")),
     };
-    if outcome == InsertOutcome::Accepted {
+    if outcome == InsertOutcome::Accepted && held_kind.is_none() {
         state.wake_workers.notify_one();
     }
-    Ok(outcome)
+    let held = match outcome {
+        InsertOutcome::Accepted => held_kind,
+        InsertOutcome::Unstorable => Some(Held::Unstorable),
+        InsertOutcome::Duplicate => None,
+    };
+    Ok(Stored { outcome, held })
 }
 
 /// Reads the body, refusing one over `limit` before reading it when Content-Length says so,

@@ -11,6 +11,7 @@ use actix_web::{web, App, HttpResponse, HttpServer};
 use anyhow::Context as _;
 use deadpool_postgres::Pool;
 use inbox_domain::budget::ByteBudget;
+use inbox_domain::config::EndpointMode;
 use inbox_domain::db::{build_pool, check_reachable, PoolOptions, Pooler};
 use inbox_domain::inbox::signature::Verifier;
 use tokio::sync::Notify;
@@ -21,10 +22,19 @@ use crate::error::IngestError;
 use crate::metrics::Metrics;
 use crate::routes;
 
+/// A configured endpoint, as requests meet it.
+pub struct Endpoint {
+    pub verifier: Verifier,
+    /// The mode it serves when declared; an event of the other mode is parked on arrival.
+    pub mode: Option<EndpointMode>,
+    /// Fingerprint of each secret, in order: recorded on the rows and in the metrics.
+    pub fingerprints: Vec<Arc<str>>,
+}
+
 /// What every request handler shares.
 pub struct AppState {
-    /// Verifier per configured endpoint name; a name not in here is a 404.
-    pub endpoints: Arc<HashMap<String, Verifier>>,
+    /// Each configured endpoint by name; a name not in here is a 404.
+    pub endpoints: Arc<HashMap<String, Endpoint>>,
     /// Connections to the inbox database.
     pub pool: Pool,
     /// Largest body accepted (413 above).
@@ -76,11 +86,22 @@ impl Application {
     /// Builds the service on an already-bound listener (tests bind port 0). Refuses bad secrets
     /// or tolerance and an unreachable database.
     pub async fn build(settings: Settings, listener: TcpListener) -> anyhow::Result<Application> {
+        let metrics = Metrics::new();
         let mut endpoints = HashMap::new();
         for spec in &settings.endpoints {
             let verifier = Verifier::new(&spec.secrets, settings.tolerance)
                 .with_context(|| format!("endpoint {:?}", spec.name))?;
-            endpoints.insert(spec.name.clone(), verifier);
+            let fingerprints: Vec<Arc<str>> =
+                verifier.fingerprints().iter().map(|f| Arc::from(f.as_str())).collect();
+            metrics.register_endpoint(&spec.name, &fingerprints);
+            // What an operator matches `stats` and the metrics against during a secret roll.
+            tracing::info!(
+                endpoint = spec.name,
+                secrets = ?fingerprints,
+                mode = spec.mode.map_or("any", EndpointMode::as_str),
+                "endpoint configured (secrets by fingerprint)"
+            );
+            endpoints.insert(spec.name.clone(), Endpoint { verifier, mode: spec.mode, fingerprints });
         }
         let pool = build_pool(
             &settings.database,
@@ -98,7 +119,6 @@ impl Application {
         check_reachable(&pool).await?;
 
         let port = listener.local_addr().context("reading the listener's address")?.port();
-        let metrics = Metrics::new();
         // Leave a couple of connections for readiness checks and the wake-up NOTIFY.
         let writers = settings.pool_size.saturating_sub(2).max(1);
         let batcher = Batcher::start(

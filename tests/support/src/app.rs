@@ -23,8 +23,12 @@ pub fn test_settings(db: &TestDb) -> Settings {
     Settings {
         database: db.config().into(),
         endpoints: vec![
-            EndpointSpec { name: "billing".into(), secrets: vec![SECRET_A.into(), SECRET_B.into()] },
-            EndpointSpec { name: "analytics".into(), secrets: vec![SECRET_C.into()] },
+            EndpointSpec {
+                name: "billing".into(),
+                secrets: vec![SECRET_A.into(), SECRET_B.into()],
+                mode: None,
+            },
+            EndpointSpec { name: "analytics".into(), secrets: vec![SECRET_C.into()], mode: None },
         ],
         tolerance: Duration::from_secs(300),
         max_body: 64 * 1024,

@@ -14,6 +14,7 @@ pub mod events;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
+pub mod stripe_fixtures;
 pub mod tls;
 pub mod worker;
 

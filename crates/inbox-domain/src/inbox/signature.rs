@@ -152,7 +152,29 @@ pub enum ConfigError {
 #[derive(Clone)]
 pub struct Verifier {
     keys: Vec<hmac::Key>,
+    /// [`fingerprint`] of each secret, in the same order: what a row and a metric record of the
+    /// secret that verified it.
+    fingerprints: Vec<String>,
     tolerance: Duration,
+}
+
+/// What a successful verification established: when Stripe signed the delivery, and with which
+/// of the endpoint's secrets (during a roll an endpoint has several).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verified {
+    /// The header's `t` (Unix seconds).
+    pub timestamp: i64,
+    /// The position of the secret that verified it in the endpoint's list, from 0.
+    pub secret: usize,
+}
+
+/// A short fingerprint of a signing secret: the first 8 hex digits of its SHA-256. Enough to tell
+/// an endpoint's secrets apart in rows, metrics and `stats`, and to match one against the secret
+/// an operator holds (`printf %s "$SECRET" | sha256sum | cut -c1-8`); not enough to recover or
+/// brute-force a secret of Stripe's 32 random bytes.
+pub fn fingerprint(secret: &str) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, secret.as_bytes());
+    hex::encode(&digest.as_ref()[..4])
 }
 
 impl fmt::Debug for Verifier {
@@ -188,17 +210,29 @@ impl Verifier {
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Verifier { keys, tolerance })
+        let fingerprints = secrets.iter().map(|secret| fingerprint(secret.as_ref())).collect();
+        Ok(Verifier { keys, fingerprints, tolerance })
+    }
+
+    /// The [`fingerprint`] of each secret, in the order they were given.
+    pub fn fingerprints(&self) -> &[String] {
+        &self.fingerprints
     }
 
     /// Verifies `header` (the raw `Stripe-Signature` value, `None` when absent) against the raw
-    /// `body` at time `now_unix` (Unix seconds). Returns the verified timestamp `t`.
-    pub fn verify(&self, header: Option<&[u8]>, body: &[u8], now_unix: i64) -> Result<i64, SignatureError> {
+    /// `body` at time `now_unix` (Unix seconds). Returns the verified timestamp `t` and the
+    /// position of the first secret that matched.
+    pub fn verify(
+        &self,
+        header: Option<&[u8]>,
+        body: &[u8],
+        now_unix: i64,
+    ) -> Result<Verified, SignatureError> {
         let header = header.ok_or(SignatureError::MissingHeader)?;
         let parsed = parse_header(header)?;
 
         let prefix = format!("{}.", parsed.timestamp);
-        let matched = self.keys.iter().any(|key| {
+        let matched = self.keys.iter().position(|key| {
             let expected = tag(key, prefix.as_bytes(), body);
             // Deliberately no short-circuit over candidates: the work does not depend on which
             // candidate matched.
@@ -208,19 +242,19 @@ impl Verifier {
                 .flatten()
                 .fold(false, |found, candidate| found | ct_eq(&expected, candidate))
         });
-        if !matched {
+        let Some(secret) = matched else {
             return Err(SignatureError::NoMatch);
-        }
+        };
 
         if within_tolerance(parsed.timestamp, now_unix, self.tolerance) {
-            Ok(parsed.timestamp)
+            Ok(Verified { timestamp: parsed.timestamp, secret })
         } else {
             Err(SignatureError::TimestampOutsideTolerance)
         }
     }
 
     /// [`Verifier::verify`] at the current system time.
-    pub fn verify_now(&self, header: Option<&[u8]>, body: &[u8]) -> Result<i64, SignatureError> {
+    pub fn verify_now(&self, header: Option<&[u8]>, body: &[u8]) -> Result<Verified, SignatureError> {
         self.verify(header, body, unix_now())
     }
 }

@@ -1,4 +1,6 @@
-//! `needs-review`: the parked rows, oldest first, with their last error.
+//! `needs-review`: the parked rows, oldest first, with their last error, why the ingest held
+//! them on arrival when it did, and what each event says of itself (livemode, the connected
+//! account; JSON also has `api_version`).
 
 use clap::Args as ClapArgs;
 use inbox_domain::inbox::store::admin::{self, ParkedRow};
@@ -43,8 +45,11 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
         ("event_id", false),
         ("event_type", false),
         ("attempts", true),
+        ("livemode", false),
+        ("account", false),
         ("received_at", false),
         ("parked_at", false),
+        ("held", false),
         ("last_error", false),
     ]);
     for r in &rows {
@@ -54,8 +59,11 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
             r.event_id.clone(),
             r.event_type.clone(),
             r.attempts.to_string(),
+            r.livemode.map_or_else(|| "-".to_owned(), |live| live.to_string()),
+            r.account.clone().unwrap_or_else(|| "-".to_owned()),
             r.received_at.clone(),
             r.parked_at.clone(),
+            r.held.clone().unwrap_or_else(|| "-".to_owned()),
             r.last_error.as_deref().map_or_else(|| "-".to_owned(), |e| one_line(e, TABLE_ERROR_WIDTH)),
         ]);
     }

@@ -58,12 +58,19 @@ pub async fn run(
             registry.event_types().join(", ")
         );
     };
+    let Some(payload) = row.payload else {
+        anyhow::bail!(
+            "event {event_id} (endpoint {}) has no payload to replay: its body was kept as raw bytes \
+             (unstorable as jsonb); nothing changed",
+            row.endpoint
+        );
+    };
     let event = InboxEvent::new(
         PROVIDER_STRIPE.to_owned(),
         row.endpoint.clone(),
         event_id.to_owned(),
         row.event_type.clone(),
-        row.payload,
+        payload,
     );
     let applied = handler.handle(&tx, &event).await;
     if pooler == Pooler::Transaction {

@@ -6,6 +6,11 @@
 //! row, narrowed by `--event-type` and `--error-contains`; the count is printed first, then all
 //! are requeued in one transaction. The audit row is written also when nothing matched (the
 //! attempt is worth seeing); `--dry-run` only lists.
+//!
+//! Rows the ingest held on arrival are a person's decision, one at a time: `--all` leaves them
+//! (and says how many it left); `--event-id` takes a row held for its `livemode` (the person
+//! decided the event belongs to this endpoint after all) and refuses one held as unstorable,
+//! which has no payload a handler could read.
 
 use clap::Args as ClapArgs;
 use inbox_domain::inbox::store::admin::{self, RequeueRow};
@@ -57,11 +62,23 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
                     row.endpoint
                 );
             }
-            let target = serde_json::json!({
+            if row.payload.is_none() {
+                anyhow::bail!(
+                    "event {event_id} (endpoint {}) cannot be requeued: PostgreSQL refused its body as jsonb, \
+                     so it is kept byte for byte in raw_body and no handler could read it (see its \
+                     last_error in `needs-review`); nothing changed",
+                    row.endpoint
+                );
+            }
+            let mut target = serde_json::json!({
                 "provider": PROVIDER_STRIPE,
                 "endpoint": row.endpoint,
                 "event_id": event_id,
             });
+            if let Some(held) = &row.held {
+                // The person released a row the ingest held: the record says so.
+                target["released_hold"] = serde_json::json!(held);
+            }
             let rows = vec![RequeueRow {
                 endpoint: row.endpoint,
                 event_id: event_id.clone(),
@@ -75,8 +92,17 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
             let rows = admin::lock_parked(&*tx, args.event_type.as_deref(), pattern.as_deref())
                 .await
                 .map_err(db_error("selecting the parked rows"))?;
+            let held = admin::held_count(&*tx, args.event_type.as_deref(), pattern.as_deref())
+                .await
+                .map_err(db_error("counting the held rows"))?;
             let n = rows.len();
-            let line = format!("{n} parked row{} match{}\n", plural(n), if n == 1 { "es" } else { "" });
+            let mut line = format!("{n} parked row{} match{}\n", plural(n), if n == 1 { "es" } else { "" });
+            if held > 0 {
+                line.push_str(&format!(
+                    "{held} more held on arrival (unstorable body or livemode mismatch) left as they are: \
+                     see `needs-review`, requeue one with --event-id after checking it\n"
+                ));
+            }
             if args.output.json {
                 // stdout carries only the JSON document; the count still comes first, for people.
                 eprint!("{line}");

@@ -1,6 +1,6 @@
 //! `stats`: the queue's health — unprocessed rows split into ready, leased, waiting for a retry
 //! and parked, the oldest unprocessed age, what was processed in the last hour — in total and
-//! per event type.
+//! per event type; and the rows each signing secret verified, per endpoint (for secret rolls).
 
 use clap::Args as ClapArgs;
 use inbox_domain::inbox::store::admin;
@@ -54,6 +54,29 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
             ]);
         }
         text.push_str(&by_type.render());
+    }
+    if !stats.by_secret.is_empty() {
+        // During a secret roll: the old secret is safe to remove once it verified nothing for a day.
+        text.push('\n');
+        let mut by_secret = Table::new(&[
+            ("endpoint", false),
+            ("secret", true),
+            ("fingerprint", false),
+            ("rows", true),
+            ("rows_last_24h", true),
+            ("last_received_at", false),
+        ]);
+        for s in &stats.by_secret {
+            by_secret.push(vec![
+                s.endpoint.clone(),
+                s.position.to_string(),
+                s.fingerprint.clone(),
+                s.rows.to_string(),
+                s.rows_last_24h.to_string(),
+                s.last_received_at.clone(),
+            ]);
+        }
+        text.push_str(&by_secret.render());
     }
     emit(&text)
 }

@@ -63,6 +63,8 @@ pub struct Stats {
     pub oldest_unprocessed_age_seconds: Option<f64>,
     pub processed_last_hour: i64,
     pub by_event_type: Vec<EventTypeStats>,
+    /// Rows per endpoint and verifying secret ([`SECRETS_SQL`]).
+    pub by_secret: Vec<SecretStats>,
 }
 
 /// `stats` of one event type.
@@ -72,6 +74,34 @@ pub struct EventTypeStats {
     pub unprocessed: i64,
     pub needs_review: i64,
     pub processed_last_hour: i64,
+}
+
+/// The rows each signing secret verified (`$1` provider), per endpoint and secret, in total and in
+/// the last 24 hours, with the last one received: during a secret roll, the old secret is safe to
+/// remove once it verified nothing for a day. Rows stored before provenance was recorded are not
+/// counted. Reads the whole table, like [`STATS_SQL`].
+pub const SECRETS_SQL: &str = "\
+SELECT endpoint, secret_position, secret_fingerprint,
+       count(*) AS rows,
+       count(*) FILTER (WHERE received_at >= now() - interval '24 hours') AS rows_last_24h,
+       to_char(max(received_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS last_received_at
+  FROM webhook_inbox
+ WHERE provider = $1 AND secret_fingerprint IS NOT NULL
+ GROUP BY endpoint, secret_position, secret_fingerprint
+ ORDER BY endpoint, secret_position, secret_fingerprint";
+
+/// The rows one secret verified, as [`SECRETS_SQL`] counts them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SecretStats {
+    pub endpoint: String,
+    /// Position of the secret in the endpoint's list when the rows were stored, from 0.
+    pub position: i16,
+    /// The secret's fingerprint (first 8 hex digits of its SHA-256).
+    pub fingerprint: String,
+    pub rows: i64,
+    pub rows_last_24h: i64,
+    /// RFC 3339, UTC.
+    pub last_received_at: String,
 }
 
 /// Runs [`STATS_SQL`].
@@ -86,6 +116,7 @@ pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_
         oldest_unprocessed_age_seconds: None,
         processed_last_hour: 0,
         by_event_type: Vec::new(),
+        by_secret: Vec::new(),
     };
     for row in rows {
         if row.get::<_, bool>("total") {
@@ -105,6 +136,19 @@ pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_
             });
         }
     }
+    stats.by_secret = client
+        .query_typed(SECRETS_SQL, &[(&PROVIDER_STRIPE, Type::TEXT)])
+        .await?
+        .iter()
+        .map(|r| SecretStats {
+            endpoint: r.get("endpoint"),
+            position: r.get("secret_position"),
+            fingerprint: r.get("secret_fingerprint"),
+            rows: r.get("rows"),
+            rows_last_24h: r.get("rows_last_24h"),
+            last_received_at: r.get("last_received_at"),
+        })
+        .collect();
     Ok(stats)
 }
 
@@ -157,13 +201,21 @@ pub async fn queue_gauges(
 // ----------------------------------------------------------------------------- parked rows
 
 /// The parked rows, oldest first (`$1` provider, `$2` limit), `received_at` and `parked_at` as
-/// RFC 3339 text in UTC. The ORDER BY names `w.received_at`, the column, not the text alias; it is
+/// RFC 3339 text in UTC, with what the event says of itself — `livemode`, the connected account
+/// (`account`, or a thin event's `context`), `api_version` — read from the payload (NULL when it
+/// does not say, and for an unstorable row, which has no payload). The ORDER BY names `w.received_at`, the column, not the text alias; it is
 /// the key of the partial index `webhook_inbox_parked`.
 pub const PARKED_ROWS_SQL: &str = concat!(
     "\
-SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.last_error,
+SELECT w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.last_error, w.held,
        to_char(w.received_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS received_at,
-       to_char(w.parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS parked_at
+       to_char(w.parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS parked_at,
+       CASE jsonb_typeof(w.payload->'livemode') WHEN 'boolean' THEN (w.payload->'livemode')::boolean END
+           AS livemode,
+       CASE WHEN jsonb_typeof(w.payload->'account') = 'string' THEN w.payload->>'account'
+            WHEN jsonb_typeof(w.payload->'context') = 'string' THEN w.payload->>'context' END AS account,
+       CASE jsonb_typeof(w.payload->'api_version') WHEN 'string' THEN w.payload->>'api_version' END
+           AS api_version
   FROM webhook_inbox AS w
  WHERE w.provider = $1 AND ",
     parked!(),
@@ -181,10 +233,16 @@ pub struct ParkedRow {
     pub event_type: String,
     pub attempts: i32,
     pub last_error: Option<String>,
+    /// Why the ingest parked it on arrival (`unstorable`, `livemode`); None when a worker did.
+    pub held: Option<String>,
     /// RFC 3339, UTC.
     pub received_at: String,
-    /// When a worker gave up on it; RFC 3339, UTC.
+    /// When it was parked (by a worker, or by the ingest on arrival); RFC 3339, UTC.
     pub parked_at: String,
+    pub livemode: Option<bool>,
+    /// The connected account (Connect), or a thin event's context.
+    pub account: Option<String>,
+    pub api_version: Option<String>,
 }
 
 /// Runs [`PARKED_ROWS_SQL`].
@@ -203,8 +261,12 @@ pub async fn parked_rows(
             event_type: r.get("event_type"),
             attempts: r.get("attempts"),
             last_error: r.get("last_error"),
+            held: r.get("held"),
             received_at: r.get("received_at"),
             parked_at: r.get("parked_at"),
+            livemode: r.get("livemode"),
+            account: r.get("account"),
+            api_version: r.get("api_version"),
         })
         .collect())
 }
@@ -217,7 +279,7 @@ pub async fn parked_rows(
 /// processing the row holds its lock until it commits, so we see the outcome (bounded by the
 /// transaction's lock_timeout); nothing moves the row under us afterwards.
 pub const LOCK_EVENT_SQL: &str = "\
-SELECT endpoint, event_type, attempts, payload,
+SELECT endpoint, event_type, attempts, payload, held,
        to_char(processed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS processed_at,
        ctid::text
   FROM webhook_inbox
@@ -231,8 +293,11 @@ pub struct EventRow {
     pub endpoint: String,
     pub event_type: String,
     pub attempts: i32,
-    /// The stored payload as JSON text.
-    pub payload: Box<serde_json::value::RawValue>,
+    /// The stored payload as JSON text; None for a row held as unstorable (its body is in
+    /// `raw_body`).
+    pub payload: Option<Box<serde_json::value::RawValue>>,
+    /// Why the ingest parked it on arrival, if it did.
+    pub held: Option<String>,
     /// RFC 3339, UTC; None while unprocessed.
     pub processed_at: Option<String>,
     /// Where the locked row is, while the transaction holds the lock.
@@ -254,7 +319,8 @@ pub async fn lock_event(
             endpoint: r.get("endpoint"),
             event_type: r.get("event_type"),
             attempts: r.get("attempts"),
-            payload: r.get::<_, Json<_>>("payload").0,
+            payload: r.get::<_, Option<Json<_>>>("payload").map(|p| p.0),
+            held: r.get("held"),
             processed_at: r.get("processed_at"),
             ctid: r.get("ctid"),
         })
@@ -265,7 +331,8 @@ pub async fn lock_event(
 
 /// The parked rows `requeue --all` takes, locked, oldest first (a stable lock order, so two
 /// concurrent requeues cannot deadlock): `$1` provider, `$2` event type or NULL, `$3` a pattern
-/// `last_error` must contain (LIKE-escaped by the caller) or NULL.
+/// `last_error` must contain (LIKE-escaped by the caller) or NULL. Rows the ingest held on
+/// arrival are not taken: each needs a person's decision (see [`HELD_COUNT_SQL`]).
 pub const LOCK_PARKED_SQL: &str = concat!(
     "\
 SELECT endpoint, event_id, event_type, attempts
@@ -273,6 +340,7 @@ SELECT endpoint, event_id, event_type, attempts
  WHERE provider = $1 AND ",
     parked!(),
     "
+   AND held IS NULL
    AND ($2::text IS NULL OR event_type = $2)
    AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')
  ORDER BY received_at, endpoint, event_id
@@ -286,6 +354,31 @@ pub struct RequeueRow {
     pub event_id: String,
     pub event_type: String,
     pub attempts: i32,
+}
+
+/// How many parked rows with the filters of [`LOCK_PARKED_SQL`] the ingest held on arrival, which
+/// `requeue --all` leaves: `requeue` tells the operator so.
+pub const HELD_COUNT_SQL: &str = concat!(
+    "\
+SELECT count(*)
+  FROM webhook_inbox
+ WHERE provider = $1 AND ",
+    parked!(),
+    "
+   AND held IS NOT NULL
+   AND ($2::text IS NULL OR event_type = $2)
+   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')"
+);
+
+/// Runs [`HELD_COUNT_SQL`].
+pub async fn held_count(
+    client: &(impl GenericClient + Sync),
+    event_type: Option<&str>,
+    error_pattern: Option<&str>,
+) -> Result<i64, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&PROVIDER_STRIPE, Type::TEXT), (&event_type, Type::TEXT), (&error_pattern, Type::TEXT)];
+    Ok(client.query_typed_one(HELD_COUNT_SQL, &params).await?.get(0))
 }
 
 /// Runs [`LOCK_PARKED_SQL`].
@@ -308,12 +401,13 @@ pub async fn lock_parked(
         .collect())
 }
 
-/// Puts rows back in the queue: not parked, attempts 0, available now; `last_error` is kept for
-/// history (the next failure or the processing overwrites it). `$1` provider, `$2` endpoints and
+/// Puts rows back in the queue: not parked (nor held), attempts 0, available now; `last_error` is
+/// kept for history (the next failure or the processing overwrites it). A row without a payload
+/// (held as unstorable) cannot leave the hold: the table's constraint refuses it. `$1` provider, `$2` endpoints and
 /// `$3` event ids (parallel arrays: the rows locked before). Only unprocessed rows.
 pub const REQUEUE_SQL: &str = "\
 UPDATE webhook_inbox
-   SET attempts = 0, available_at = now(), parked_at = NULL
+   SET attempts = 0, available_at = now(), parked_at = NULL, held = NULL
  WHERE provider = $1
    AND (endpoint, event_id) IN (SELECT * FROM unnest($2::text[], $3::text[]))
    AND processed_at IS NULL";

@@ -16,15 +16,68 @@ use crate::inbox::event::JsonBytes;
 /// one's outcome: if it commits, this one skips the row; if it rolls back, this one inserts it.
 ///
 /// Parameters: provider, then one array per column: endpoints, event ids, event types, payloads,
-/// and the payloads' sizes in bytes as received (the workers' memory budget counts them).
+/// the payloads' sizes in bytes as received (the workers' memory budget counts them), why the row
+/// is held on arrival (NULL, or `livemode` — see [`Held`]) with the message a person reads in
+/// `needs-review`, and how the delivery was verified: the secret's position and fingerprint and
+/// the signature's `t`. A held row is parked from the start (`parked_at`), so no worker claims it.
 /// Returns the (endpoint, event_id) of the rows inserted; the others were duplicates.
 pub const INSERT_EVENTS_SQL: &str = "\
-INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes)
-SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload, e.payload_bytes
-  FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::int4[])
-       AS e(endpoint, event_id, event_type, payload, payload_bytes)
+INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes,
+                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t)
+SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload, e.payload_bytes,
+       e.held, CASE WHEN e.held IS NOT NULL THEN now() END, e.reason,
+       e.secret_position, e.secret_fingerprint, e.signature_t
+  FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::int4[],
+              $7::text[], $8::text[], $9::int2[], $10::text[], $11::int8[])
+       AS e(endpoint, event_id, event_type, payload, payload_bytes,
+            held, reason, secret_position, secret_fingerprint, signature_t)
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
 RETURNING endpoint, event_id";
+
+/// Stores one verified event whose body PostgreSQL's `jsonb` refused (a `\\u0000` escape, a lone
+/// surrogate, nesting deeper than the server's stack): the exact bytes in `raw_body`, no
+/// `payload`, held as `unstorable` and parked with `$6`, the server's reason. Its signature was
+/// valid, so the body is Stripe's and must not be lost: answering 400 would make Stripe retry for
+/// three days and then drop it silently. Same key and deduplication as [`INSERT_EVENTS_SQL`].
+/// `$1` provider, `$2` endpoint, `$3` event id, `$4` type, `$5` body, `$6` reason, `$7..$9` the
+/// secret's position and fingerprint and the signature's `t`.
+pub const INSERT_UNSTORABLE_SQL: &str = "\
+INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, raw_body, payload_bytes,
+                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t)
+VALUES ($1, $2, $3, $4, $5, octet_length($5), 'unstorable', now(), $6, $7, $8, $9)
+ON CONFLICT (provider, endpoint, event_id) DO NOTHING
+RETURNING endpoint, event_id";
+
+/// Why the ingest parks a row on arrival (the column `held`). Such a row is never claimed; a
+/// person decides (see `needs-review`, `requeue`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// The body is kept in `raw_body`: `jsonb` refused it.
+    Unstorable,
+    /// The event's `livemode` disagrees with the endpoint's declared mode.
+    Livemode,
+}
+
+impl Held {
+    /// The value of the column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Held::Unstorable => "unstorable",
+            Held::Livemode => "livemode",
+        }
+    }
+}
+
+/// How a delivery was verified, recorded on the row it stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Provenance<'a> {
+    /// Position of the verifying secret in the endpoint's list, from 0.
+    pub secret_position: i16,
+    /// Its fingerprint (see `signature::fingerprint`), never the secret.
+    pub secret_fingerprint: &'a str,
+    /// The signature header's `t`.
+    pub signature_t: i64,
+}
 
 /// One event to store.
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +87,9 @@ pub struct NewEvent<'a> {
     pub event_type: &'a str,
     /// The verified body, stored as `jsonb`.
     pub payload: &'a [u8],
+    /// Set when the row must be parked on arrival: why, and the message for `needs-review`.
+    pub held: Option<(Held, &'a str)>,
+    pub provenance: Provenance<'a>,
 }
 
 /// Whether an insert stored a new row or found the event already there.
@@ -41,6 +97,9 @@ pub struct NewEvent<'a> {
 pub enum InsertOutcome {
     Accepted,
     Duplicate,
+    /// Stored as unstorable: `jsonb` refused the body, which is kept in `raw_body`, the row parked.
+    /// Answered like an accepted event (it is stored); counted apart.
+    Unstorable,
 }
 
 impl InsertOutcome {
@@ -48,6 +107,7 @@ impl InsertOutcome {
         match self {
             InsertOutcome::Accepted => "accepted",
             InsertOutcome::Duplicate => "duplicate",
+            InsertOutcome::Unstorable => "unstorable",
         }
     }
 }
@@ -75,13 +135,23 @@ pub async fn insert_events(
     let payloads: Vec<JsonBytes<'_>> = events.iter().map(|e| JsonBytes(e.payload)).collect();
     // Bodies are at most --max-body (far below 2 GiB); saturate rather than wrap all the same.
     let sizes: Vec<i32> = events.iter().map(|e| i32::try_from(e.payload.len()).unwrap_or(i32::MAX)).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 6] = [
+    let held: Vec<Option<&str>> = events.iter().map(|e| e.held.map(|(held, _)| held.as_str())).collect();
+    let reasons: Vec<Option<&str>> = events.iter().map(|e| e.held.map(|(_, reason)| reason)).collect();
+    let positions: Vec<i16> = events.iter().map(|e| e.provenance.secret_position).collect();
+    let fingerprints: Vec<&str> = events.iter().map(|e| e.provenance.secret_fingerprint).collect();
+    let signed: Vec<i64> = events.iter().map(|e| e.provenance.signature_t).collect();
+    let params: [(&(dyn ToSql + Sync), Type); 11] = [
         (&provider, Type::TEXT),
         (&endpoints, Type::TEXT_ARRAY),
         (&ids, Type::TEXT_ARRAY),
         (&types, Type::TEXT_ARRAY),
         (&payloads, Type::JSONB_ARRAY),
         (&sizes, Type::INT4_ARRAY),
+        (&held, Type::TEXT_ARRAY),
+        (&reasons, Type::TEXT_ARRAY),
+        (&positions, Type::INT2_ARRAY),
+        (&fingerprints, Type::TEXT_ARRAY),
+        (&signed, Type::INT8_ARRAY),
     ];
     let rows = match pooler {
         Pooler::None => {
@@ -94,6 +164,31 @@ pub async fn insert_events(
         }
     };
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// Runs [`INSERT_UNSTORABLE_SQL`] for `event` (its `held` is ignored: the row is held as
+/// unstorable, with `reason`); returns whether a row was inserted (false: a duplicate). Always
+/// unnamed and in a transaction of its own with its limits, whatever the pooler: it is rare.
+pub async fn insert_unstorable(
+    client: &deadpool_postgres::Object,
+    provider: &str,
+    event: &NewEvent<'_>,
+    reason: &str,
+    timeout: std::time::Duration,
+) -> Result<bool, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 9] = [
+        (&provider, Type::TEXT),
+        (&event.endpoint, Type::TEXT),
+        (&event.event_id, Type::TEXT),
+        (&event.event_type, Type::TEXT),
+        (&event.payload, Type::BYTEA),
+        (&reason, Type::TEXT),
+        (&event.provenance.secret_position, Type::INT2),
+        (&event.provenance.secret_fingerprint, Type::TEXT),
+        (&event.provenance.signature_t, Type::INT8),
+    ];
+    let rows = super::query_in_own_transaction(client, timeout, INSERT_UNSTORABLE_SQL, &params).await?;
+    Ok(!rows.is_empty())
 }
 
 /// Wakes idle workers. Sent by the ingest at most once per short interval, outside the insert

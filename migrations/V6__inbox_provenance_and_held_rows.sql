@@ -1,0 +1,46 @@
+-- stripe-inbox schema, version 6: every verified body is kept, and each row says how it was verified.
+--
+-- Kept whatever jsonb thinks of it. A body whose signature verifies is Stripe's; when PostgreSQL's
+-- jsonb refuses it (a \u0000 escape, a lone surrogate, nesting deeper than the server's stack) the
+-- ingest still stores it, byte for byte, in `raw_body`, with `payload` NULL, and parks the row: an
+-- answer of 400 would make Stripe retry for three days and then drop the event without an alert.
+--
+-- `held`: why the ingest parked a row on arrival, before any worker saw it —
+--   'unstorable'  the body is in raw_body, not in payload: nothing a worker could apply;
+--   'livemode'    the event's livemode disagrees with the endpoint's declared mode (a test event
+--                 sent to a live endpoint must never book into the real ledger).
+-- Such a row is parked (parked_at set, last_error says why) and shows in needs-review; requeue
+-- --all leaves it, requeue --event-id takes a livemode row (a person decided) and refuses an
+-- unstorable one.
+--
+-- Provenance: which of the endpoint's secrets verified the delivery that stored the row — its
+-- position in the endpoint's list (from 0) and a fingerprint (first 8 hex digits of its SHA-256,
+-- never the secret) — and the signature's `t` (Unix seconds). During a secret roll, `stats`
+-- counts rows per secret, so an operator sees when the old one is no longer used. Rows stored
+-- before this version have NULLs: nothing recorded it then.
+--
+-- The constraints make the database the guard, whatever statement a person runs by hand: a row
+-- without a payload is held as unstorable, and a held row is parked — so a worker's claim (which
+-- takes only rows that are not parked) can never be given a row it cannot read.
+--
+-- Every change below is a catalogue change (new nullable columns without a default, a dropped
+-- NOT NULL, a constraint NOT VALID): no table rewrite and no scan, so migrating a large inbox
+-- holds its lock for milliseconds. The CHECK is NOT VALID because every existing row has a
+-- payload (the column was NOT NULL): validating would only scan the table to prove it.
+ALTER TABLE webhook_inbox
+    ALTER COLUMN payload DROP NOT NULL,
+    ADD COLUMN raw_body           bytea,
+    ADD COLUMN held               text,
+    ADD COLUMN secret_position    smallint,
+    ADD COLUMN secret_fingerprint text,
+    ADD COLUMN signature_t        bigint,
+    ADD CONSTRAINT webhook_inbox_body_kept CHECK (payload IS NOT NULL OR raw_body IS NOT NULL) NOT VALID,
+    ADD CONSTRAINT webhook_inbox_no_payload_is_held CHECK (payload IS NOT NULL OR held IS NOT DISTINCT FROM 'unstorable') NOT VALID,
+    ADD CONSTRAINT webhook_inbox_held_is_parked
+        CHECK (held IS NULL OR (held IN ('unstorable', 'livemode') AND parked_at IS NOT NULL)) NOT VALID;
+
+-- Invoices billed through Accounts v2 name the payer in `customer_account` and have
+-- `customer: null`. An invoice is booked whoever pays it; the ledger never needed the payer.
+ALTER TABLE invoices
+    ALTER COLUMN customer_id DROP NOT NULL,
+    ADD COLUMN customer_account text;
