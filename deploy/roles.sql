@@ -61,7 +61,8 @@ GRANT SELECT ON refinery_schema_history TO inbox_ingest, inbox_worker, inbox_ope
 -- it writes how the delivery was verified, and parks on arrival a row it must hold (raw_body,
 -- held, parked_at, last_error: an unstorable body, a livemode that disagrees with the endpoint).
 GRANT INSERT (provider, endpoint, event_id, event_type, payload, payload_bytes, raw_body, held, parked_at,
-              last_error, secret_position, secret_fingerprint, signature_t) ON webhook_inbox TO inbox_ingest;
+              last_error, secret_position, secret_fingerprint, signature_t, signature_v1)
+      ON webhook_inbox TO inbox_ingest;
 GRANT SELECT (provider, endpoint, event_id) ON webhook_inbox TO inbox_ingest;
 
 -- inbox_worker: claim, lock, mark, record failures and hand back (UPDATE … RETURNING reads), and

@@ -19,13 +19,19 @@
 -- counts rows per secret, so an operator sees when the old one is no longer used. Rows stored
 -- before this version have NULLs: nothing recorded it then.
 --
+-- Evidence: with `inbox-ingest --keep-raw` (and always for an unstorable body) `raw_body` holds the
+-- exact signed bytes and `signature_v1` the `v1` signature that matched (32 bytes: the HMAC, not
+-- the secret); `inbox-worker verify --event-id` recomputes it with the configured secrets. Left to
+-- the default (pglz) compression: lz4 would cost less CPU, but a server built without it would
+-- refuse this migration.
+--
 -- The constraints make the database the guard, whatever statement a person runs by hand: a row
 -- without a payload is held as unstorable, and a held row is parked — so a worker's claim (which
 -- takes only rows that are not parked) can never be given a row it cannot read.
 --
 -- Every change below is a catalogue change (new nullable columns without a default, a dropped
 -- NOT NULL, a constraint NOT VALID): no table rewrite and no scan, so migrating a large inbox
--- holds its lock for milliseconds. The CHECK is NOT VALID because every existing row has a
+-- holds its lock for milliseconds. The CHECKs are NOT VALID because every existing row has a
 -- payload (the column was NOT NULL): validating would only scan the table to prove it.
 ALTER TABLE webhook_inbox
     ALTER COLUMN payload DROP NOT NULL,
@@ -34,6 +40,7 @@ ALTER TABLE webhook_inbox
     ADD COLUMN secret_position    smallint,
     ADD COLUMN secret_fingerprint text,
     ADD COLUMN signature_t        bigint,
+    ADD COLUMN signature_v1       bytea,
     ADD CONSTRAINT webhook_inbox_body_kept CHECK (payload IS NOT NULL OR raw_body IS NOT NULL) NOT VALID,
     ADD CONSTRAINT webhook_inbox_no_payload_is_held CHECK (payload IS NOT NULL OR held IS NOT DISTINCT FROM 'unstorable') NOT VALID,
     ADD CONSTRAINT webhook_inbox_held_is_parked

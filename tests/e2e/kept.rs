@@ -301,3 +301,94 @@ async fn a_test_mode_event_on_an_endpoint_declared_live_is_stored_parked_and_nev
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries WHERE invoice_id = 'in_test'").await, 0);
     drop(worker_proc);
 }
+
+#[tokio::test]
+async fn with_keep_raw_every_row_keeps_its_signed_bytes_and_verify_proves_them_or_names_the_tampering() {
+    let app = spawn_app_with(TestDb::new().await, |s| {
+        s.keep_raw = true;
+        s.max_body = 1 << 20;
+    })
+    .await;
+    let body = invoice_paid("evt_kept", "in_kept", 700);
+    let t = now();
+    let reply = app.post("billing", Some(&sign_header(SECRET_B, t, &body)), body.clone()).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let nul = unstorable_bodies().remove(0).1;
+    assert_eq!(app.post_signed(nul).await.status, 200);
+    let client = app.db.client().await;
+    let (raw, v1): (Vec<u8>, Vec<u8>) = {
+        let row = client
+            .query_one("SELECT raw_body, signature_v1 FROM webhook_inbox WHERE event_id = 'evt_kept'", &[])
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(raw, body, "the exact bytes, beside the payload");
+    assert_eq!(hex::encode(&v1), inbox_domain::inbox::signature::compute_v1(SECRET_B, t, &body));
+
+    let secrets = format!("billing={SECRET_A},{SECRET_B}");
+    let verify = |id: &'static str, secrets: String| {
+        let app_url = app.db.url();
+        async move {
+            let mut cmd = command("inbox-worker");
+            cmd.env("DATABASE_URL", app_url).env("INBOX_ENDPOINTS", secrets).args([
+                "verify",
+                "--event-id",
+                id,
+            ]);
+            tokio::task::spawn_blocking(move || run(cmd, TIMEOUT)).await.unwrap()
+        }
+    };
+    let (code, output) = verify("evt_kept", secrets.clone()).await;
+    assert_eq!(code, 0, "{output}");
+    assert!(
+        output.contains(&format!("valid, made by configured secret 1 of 2 ({})", fingerprint(SECRET_B))),
+        "{output}"
+    );
+    assert!(output.contains("the ingest recorded secret 1"), "{output}");
+    assert!(output.contains("the stored payload is the signed body"), "{output}");
+    let (code, output) = verify("evt_nul", secrets.clone()).await;
+    assert_eq!(code, 0, "an unstorable body is evidence too: {output}");
+    assert!(output.contains("payload: none"), "{output}");
+
+    // Only the other secret configured: the kept signature names no secret.
+    let (code, output) = verify("evt_kept", format!("billing={SECRET_A}")).await;
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("NOT VALID"), "{output}");
+    // One byte of the kept body changed.
+    client
+        .execute(
+            "UPDATE webhook_inbox SET raw_body = raw_body || '\\x20'::bytea WHERE event_id = 'evt_kept'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (code, output) = verify("evt_kept", secrets.clone()).await;
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("NOT VALID"), "{output}");
+    // The body restored, the payload handlers read changed instead.
+    client
+        .execute(
+            "UPDATE webhook_inbox SET raw_body = $1,
+                    payload = jsonb_set(payload, '{data,object,amount_paid}', '7000') WHERE event_id = 'evt_kept'",
+            &[&raw],
+        )
+        .await
+        .unwrap();
+    let (code, output) = verify("evt_kept", secrets.clone()).await;
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("DIFFERS"), "{output}");
+    assert!(!output.contains("whsec"), "no secret in the output: {output}");
+
+    // A row stored without --keep-raw has nothing to verify, and says so.
+    client
+        .execute(
+            "UPDATE webhook_inbox SET raw_body = NULL, signature_v1 = NULL WHERE event_id = 'evt_kept'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (code, output) = verify("evt_kept", secrets).await;
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("--keep-raw"), "{output}");
+}

@@ -112,10 +112,14 @@ fn verification_names_the_secret_that_matched_by_position_and_a_stable_fingerpri
     let rolling = Verifier::new(&["whsec_old", "whsec_new"], Duration::from_secs(TOL)).unwrap();
     for (position, secret) in ["whsec_old", "whsec_new"].into_iter().enumerate() {
         let header = sign_header(secret, NOW, BODY);
-        assert_eq!(
-            rolling.verify(Some(header.as_bytes()), BODY, NOW),
-            Ok(Verified { timestamp: NOW, secret: position })
-        );
+        let verified: Verified = rolling.verify(Some(header.as_bytes()), BODY, NOW).unwrap();
+        assert_eq!((verified.timestamp, verified.secret), (NOW, position));
+        assert_eq!(hex::encode(verified.signature), compute_v1(secret, NOW, BODY), "the v1 that matched");
+        // Kept as evidence, it names its secret again later, and nothing else matches it.
+        assert_eq!(rolling.matching_secret(NOW, BODY, &verified.signature), Some(position));
+        assert_eq!(rolling.matching_secret(NOW + 1, BODY, &verified.signature), None);
+        assert_eq!(rolling.matching_secret(NOW, b"{}", &verified.signature), None);
+        assert_eq!(rolling.matching_secret(NOW, BODY, &verified.signature[..31]), None);
     }
     // SHA-256 prefixes computed independently (Python's hashlib); never the secret itself.
     assert_eq!(rolling.fingerprints(), ["3d269a69", "06626a5e"]);

@@ -41,6 +41,8 @@ struct Pending {
     secret_position: i16,
     secret_fingerprint: Arc<str>,
     signature_t: i64,
+    signature_v1: [u8; 32],
+    keep_raw: bool,
     reply: oneshot::Sender<Result<InsertOutcome, IngestError>>,
     /// The payload's share of the bytes in flight, given back when the batch is written — not
     /// when the request gives up waiting: the payload stays queued until then.
@@ -109,6 +111,8 @@ impl Batcher {
             secret_position: event.secret_position,
             secret_fingerprint: event.secret_fingerprint,
             signature_t: event.signature_t,
+            signature_v1: event.signature_v1,
+            keep_raw: event.keep_raw,
             reply,
             _held: room,
         };
@@ -133,6 +137,10 @@ pub struct Verified<'a> {
     pub secret_fingerprint: Arc<str>,
     /// The signature header's `t`.
     pub signature_t: i64,
+    /// The `v1` signature that matched.
+    pub signature_v1: [u8; 32],
+    /// Store the exact bytes and the signature too (`--keep-raw`).
+    pub keep_raw: bool,
 }
 
 impl Pending {
@@ -147,7 +155,9 @@ impl Pending {
                 secret_position: self.secret_position,
                 secret_fingerprint: &self.secret_fingerprint,
                 signature_t: self.signature_t,
+                signature_v1: &self.signature_v1,
             },
+            keep_raw: self.keep_raw,
         }
     }
 }

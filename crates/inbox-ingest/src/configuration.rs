@@ -64,6 +64,12 @@ pub struct Cli {
     #[arg(long, env = "INBOX_MAX_BYTES_IN_FLIGHT", default_value = "64MiB", value_parser = parse_byte_size)]
     pub max_bytes_in_flight: u64,
 
+    /// Also store every verified body byte for byte, with the signature that matched, as evidence
+    /// (`inbox-worker verify --event-id` re-checks it). Costs WAL and table space per event
+    /// (docs/operations.md measures it).
+    #[arg(long, env = "INBOX_KEEP_RAW")]
+    pub keep_raw: bool,
+
     /// Most database connections: all but two are group-commit writers [default: 2 per core + 2,
     /// at least 6].
     #[arg(long, env = "INBOX_POOL_SIZE")]
@@ -103,6 +109,8 @@ pub struct Settings {
     pub pool_size: usize,
     pub db_timeout: Duration,
     pub body_timeout: Duration,
+    /// Store each verified body's exact bytes and matching signature (`--keep-raw`).
+    pub keep_raw: bool,
     /// Whether the server reacts to SIGTERM/SIGINT itself (the binary) or is stopped by its
     /// owner (tests running several servers in one process).
     pub handle_signals: bool,
@@ -155,6 +163,7 @@ impl Cli {
             pool_size,
             db_timeout: self.db_timeout,
             body_timeout: self.body_timeout,
+            keep_raw: self.keep_raw,
             handle_signals: true,
         })
     }

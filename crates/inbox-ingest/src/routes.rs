@@ -146,6 +146,8 @@ async fn receive(
         secret_position: i16::try_from(verified.secret).unwrap_or(i16::MAX),
         secret_fingerprint: fingerprint,
         signature_t: verified.timestamp,
+        signature_v1: verified.signature,
+        keep_raw: state.keep_raw,
     };
     let stored = state.batcher.insert(event, body.clone());
     let outcome = match tokio::time::timeout(state.db_timeout, stored).await {

@@ -79,6 +79,9 @@ pub enum Command {
     Replay(ops::replay::Args),
     /// Delete processed rows older than an age, in batches.
     Purge(ops::purge::Args),
+    /// Check a stored event against the signature kept with its raw body (ingest --keep-raw):
+    /// which configured secret made it, and that the payload is the signed body.
+    Verify(ops::verify::Args),
 }
 
 #[derive(Debug, Args)]

@@ -63,12 +63,14 @@ pub async fn run(ctx: &Ctx, conns: usize, pgbench_tps: Option<f64>) -> anyhow::R
         let cpu = cpu0.usage(&cpu1, Some((load.measured.ok + load.measured.non_2xx) as f64));
         let rate = load.rate();
         ctx.say(&format!(
-            "b: {rate:.0} req/s, p50 {:.1} ms, p99 {:.1} ms, non-2xx {}, unanswered {}, rows {rows} / 2xx {} ({})",
+            "b: {rate:.0} req/s, p50 {:.1} ms, p99 {:.1} ms, non-2xx {}, unanswered {}, rows {rows} / 2xx {}, \
+             {:.0} WAL bytes/request ({})",
             load.latency.p50,
             load.latency.p99,
             load.measured.non_2xx + load.warmup.non_2xx,
             load.total_unanswered(),
             load.total_ok(),
+            (snap1.lsn - snap0.lsn) as f64 / sent,
             crate::util::cpu_summary(&cpu)
         ));
         if let Some(e) = &load.first_error {

@@ -121,6 +121,10 @@ pub struct Args {
     /// the ingest's NOTIFY].
     #[arg(long)]
     e2e_poll_interval: Option<String>,
+    /// An extra argument for every `inbox-ingest` the bench starts (repeatable), to measure an
+    /// option beside the defaults, e.g. `--ingest-arg=--keep-raw`.
+    #[arg(long, allow_hyphen_values = true)]
+    ingest_arg: Vec<String>,
     /// pgbench -j.
     #[arg(long, default_value_t = 2)]
     pgbench_threads: usize,
@@ -193,7 +197,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         Some(d) => d.clone(),
         None => std::env::current_exe()?.parent().context("no directory of the bench binary")?.to_path_buf(),
     };
-    let bins = services::Bins::new(bin_dir.clone())?;
+    let bins = services::Bins::new(bin_dir.clone(), args.ingest_arg.clone())?;
     let out_dir = args.out_dir.clone().unwrap_or_else(|| {
         bin_dir.parent().map_or_else(|| PathBuf::from("target"), |p| p.to_path_buf()).join("bench")
     });
@@ -420,6 +424,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "drain_rows": a.drain_rows,
         "drain_processes": a.drain_processes,
         "worker_concurrency": a.worker_concurrency,
+        "ingest_args": a.ingest_arg,
         "worker_batch_size": a.worker_batch_size,
         "worker_poll_interval": a.worker_poll_interval,
         "mem_rows": a.mem_rows,

@@ -13,10 +13,12 @@ use crate::payload::SECRET;
 /// Where the service binaries are (beside this one: `target/release`).
 pub struct Bins {
     pub dir: PathBuf,
+    /// Extra arguments of every `inbox-ingest` (`--ingest-arg`).
+    pub ingest_args: Vec<String>,
 }
 
 impl Bins {
-    pub fn new(dir: PathBuf) -> anyhow::Result<Bins> {
+    pub fn new(dir: PathBuf, ingest_args: Vec<String>) -> anyhow::Result<Bins> {
         for name in ["inbox-ingest", "inbox-worker"] {
             let path = dir.join(name);
             if !path.exists() {
@@ -26,7 +28,7 @@ impl Bins {
                 );
             }
         }
-        Ok(Bins { dir })
+        Ok(Bins { dir, ingest_args })
     }
 
     /// A command with a clean environment, JSON logs, warnings only.
@@ -64,6 +66,7 @@ impl Bins {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let mut cmd = self.command("inbox-ingest", database_url);
         cmd.env("INBOX_ENDPOINTS", format!("billing={SECRET}")).env("INBOX_LISTEN", addr.to_string());
+        cmd.args(&self.ingest_args);
         let mut proc = Proc::spawn(cmd);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

@@ -36,6 +36,7 @@ pub fn test_settings(db: &TestDb) -> Settings {
         pool_size: 20,
         db_timeout: Duration::from_secs(2),
         body_timeout: Duration::from_secs(5),
+        keep_raw: false,
         handle_signals: false,
     }
 }

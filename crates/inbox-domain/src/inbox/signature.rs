@@ -166,6 +166,10 @@ pub struct Verified {
     pub timestamp: i64,
     /// The position of the secret that verified it in the endpoint's list, from 0.
     pub secret: usize,
+    /// The `v1` signature that matched: the HMAC of `"{t}.{body}"` under that secret. Not a secret
+    /// (it travelled in the header); kept beside the raw body, it lets anyone holding the secret
+    /// prove later that the body is byte for byte what Stripe signed ([`Verifier::matching_secret`]).
+    pub signature: [u8; TAG_LEN],
 }
 
 /// A short fingerprint of a signing secret: the first 8 hex digits of its SHA-256. Enough to tell
@@ -232,25 +236,36 @@ impl Verifier {
         let parsed = parse_header(header)?;
 
         let prefix = format!("{}.", parsed.timestamp);
-        let matched = self.keys.iter().position(|key| {
+        let matched = self.keys.iter().enumerate().find_map(|(position, key)| {
             let expected = tag(key, prefix.as_bytes(), body);
             // Deliberately no short-circuit over candidates: the work does not depend on which
             // candidate matched.
-            parsed
+            let hit = parsed
                 .candidates
                 .iter()
                 .flatten()
-                .fold(false, |found, candidate| found | ct_eq(&expected, candidate))
+                .fold(false, |found, candidate| found | ct_eq(&expected, candidate));
+            hit.then_some((position, expected))
         });
-        let Some(secret) = matched else {
+        let Some((secret, expected)) = matched else {
             return Err(SignatureError::NoMatch);
         };
 
         if within_tolerance(parsed.timestamp, now_unix, self.tolerance) {
-            Ok(Verified { timestamp: parsed.timestamp, secret })
+            let mut signature = [0u8; TAG_LEN];
+            signature.copy_from_slice(expected.as_ref());
+            Ok(Verified { timestamp: parsed.timestamp, secret, signature })
         } else {
             Err(SignatureError::TimestampOutsideTolerance)
         }
+    }
+
+    /// Which secret, if any, made `signature` for `body` at `timestamp` (no tolerance: this checks
+    /// a delivery kept as evidence, not a fresh one). Constant time per secret.
+    pub fn matching_secret(&self, timestamp: i64, body: &[u8], signature: &[u8]) -> Option<usize> {
+        let candidate: [u8; TAG_LEN] = signature.try_into().ok()?;
+        let prefix = format!("{timestamp}.");
+        self.keys.iter().position(|key| ct_eq(&tag(key, prefix.as_bytes(), body), &candidate))
     }
 
     /// [`Verifier::verify`] at the current system time.

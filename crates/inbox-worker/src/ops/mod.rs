@@ -1,5 +1,5 @@
 //! The operator commands, one module each: `migrate`, `stats`, `needs-review`, `requeue`,
-//! `replay`, `purge`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
+//! `replay`, `purge`, `verify`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
 //! the store (`inbox_domain::inbox::store::admin`) and presents the result with [`output`]: a table
 //! on stdout, or one JSON document with `--json`. A refusal is an error saying why (the binary
 //! prints `<name>: error: …` and exits 1).
@@ -15,6 +15,7 @@ pub mod purge;
 pub mod replay;
 pub mod requeue;
 pub mod stats;
+pub mod verify;
 
 use std::time::Duration;
 
@@ -66,6 +67,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Requeue(args) => requeue::run(&mut conn, &args).await,
         Command::Replay(args) => replay::run(&mut conn, registry, pooler, &args).await,
         Command::Purge(args) => purge::run(&**conn, &args).await,
+        Command::Verify(args) => verify::run(&**conn, &args).await,
         Command::Run(_) => unreachable!("`run` is not an operator command"),
     }
 }

@@ -327,6 +327,85 @@ pub async fn lock_event(
         .collect())
 }
 
+// ----------------------------------------------------------------------------------- verify
+
+/// The evidence kept for one event id (every endpoint's row, or only `$3`'s when not NULL; `$1`
+/// provider, `$2` event id): the exact signed bytes and the `v1` that matched (NULL unless the
+/// ingest ran with `--keep-raw`, or the body was unstorable), the signature's `t` as a number and
+/// as RFC 3339 text, and the secret the ingest recorded.
+pub const EVIDENCE_SQL: &str = "\
+SELECT endpoint, event_type, raw_body, signature_v1, signature_t,
+       to_char(to_timestamp(signature_t) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') AS signed_at,
+       secret_position, secret_fingerprint, payload IS NOT NULL AS has_payload
+  FROM webhook_inbox
+ WHERE provider = $1 AND event_id = $2 AND ($3::text IS NULL OR endpoint = $3)
+ ORDER BY endpoint";
+
+/// A row of [`EVIDENCE_SQL`].
+#[derive(Debug, Clone)]
+pub struct Evidence {
+    pub endpoint: String,
+    pub event_type: String,
+    pub raw_body: Option<Vec<u8>>,
+    pub signature_v1: Option<Vec<u8>>,
+    pub signature_t: Option<i64>,
+    /// `signature_t` as RFC 3339, UTC.
+    pub signed_at: Option<String>,
+    pub secret_position: Option<i16>,
+    pub secret_fingerprint: Option<String>,
+    pub has_payload: bool,
+}
+
+/// Runs [`EVIDENCE_SQL`].
+pub async fn evidence(
+    client: &(impl GenericClient + Sync),
+    event_id: &str,
+    endpoint: Option<&str>,
+) -> Result<Vec<Evidence>, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&PROVIDER_STRIPE, Type::TEXT), (&event_id, Type::TEXT), (&endpoint, Type::TEXT)];
+    Ok(client
+        .query_typed(EVIDENCE_SQL, &params)
+        .await?
+        .iter()
+        .map(|r| Evidence {
+            endpoint: r.get("endpoint"),
+            event_type: r.get("event_type"),
+            raw_body: r.get("raw_body"),
+            signature_v1: r.get("signature_v1"),
+            signature_t: r.get("signature_t"),
+            signed_at: r.get("signed_at"),
+            secret_position: r.get("secret_position"),
+            secret_fingerprint: r.get("secret_fingerprint"),
+            has_payload: r.get("has_payload"),
+        })
+        .collect())
+}
+
+/// Whether the stored payload is the raw body as `jsonb` reads it (`$1` the raw bytes; `$2..$4`
+/// provider, endpoint, event id): what handlers were given is what Stripe signed. Fails when the
+/// bytes are not JSON `jsonb` accepts (which, for a row with a payload, means they were altered).
+pub const PAYLOAD_MATCHES_SQL: &str = "\
+SELECT convert_from($1, 'UTF8')::jsonb = payload
+  FROM webhook_inbox
+ WHERE provider = $2 AND endpoint = $3 AND event_id = $4";
+
+/// Runs [`PAYLOAD_MATCHES_SQL`].
+pub async fn payload_matches(
+    client: &(impl GenericClient + Sync),
+    raw_body: &[u8],
+    endpoint: &str,
+    event_id: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&raw_body, Type::BYTEA),
+        (&PROVIDER_STRIPE, Type::TEXT),
+        (&endpoint, Type::TEXT),
+        (&event_id, Type::TEXT),
+    ];
+    Ok(client.query_typed_one(PAYLOAD_MATCHES_SQL, &params).await?.get(0))
+}
+
 // ---------------------------------------------------------------------------------- requeue
 
 /// The parked rows `requeue --all` takes, locked, oldest first (a stable lock order, so two

@@ -18,19 +18,22 @@ use crate::inbox::event::JsonBytes;
 /// Parameters: provider, then one array per column: endpoints, event ids, event types, payloads,
 /// the payloads' sizes in bytes as received (the workers' memory budget counts them), why the row
 /// is held on arrival (NULL, or `livemode` — see [`Held`]) with the message a person reads in
-/// `needs-review`, and how the delivery was verified: the secret's position and fingerprint and
-/// the signature's `t`. A held row is parked from the start (`parked_at`), so no worker claims it.
+/// `needs-review`, and how the delivery was verified: the secret's position and fingerprint, the
+/// signature's `t`, and — only when the ingest keeps raw bodies (`--keep-raw`), NULL otherwise —
+/// the exact bytes and the `v1` signature that matched. A held row is parked from the start
+/// (`parked_at`), so no worker claims it.
 /// Returns the (endpoint, event_id) of the rows inserted; the others were duplicates.
 pub const INSERT_EVENTS_SQL: &str = "\
 INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes,
-                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t)
+                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t,
+                           raw_body, signature_v1)
 SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload, e.payload_bytes,
        e.held, CASE WHEN e.held IS NOT NULL THEN now() END, e.reason,
-       e.secret_position, e.secret_fingerprint, e.signature_t
+       e.secret_position, e.secret_fingerprint, e.signature_t, e.raw_body, e.signature_v1
   FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::int4[],
-              $7::text[], $8::text[], $9::int2[], $10::text[], $11::int8[])
+              $7::text[], $8::text[], $9::int2[], $10::text[], $11::int8[], $12::bytea[], $13::bytea[])
        AS e(endpoint, event_id, event_type, payload, payload_bytes,
-            held, reason, secret_position, secret_fingerprint, signature_t)
+            held, reason, secret_position, secret_fingerprint, signature_t, raw_body, signature_v1)
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
 RETURNING endpoint, event_id";
 
@@ -39,12 +42,14 @@ RETURNING endpoint, event_id";
 /// `payload`, held as `unstorable` and parked with `$6`, the server's reason. Its signature was
 /// valid, so the body is Stripe's and must not be lost: answering 400 would make Stripe retry for
 /// three days and then drop it silently. Same key and deduplication as [`INSERT_EVENTS_SQL`].
-/// `$1` provider, `$2` endpoint, `$3` event id, `$4` type, `$5` body, `$6` reason, `$7..$9` the
-/// secret's position and fingerprint and the signature's `t`.
+/// `$1` provider, `$2` endpoint, `$3` event id, `$4` type, `$5` body, `$6` reason, `$7..$10` the
+/// secret's position and fingerprint, the signature's `t` and its `v1` (always kept here: the raw
+/// body is the only copy, and the signature is the proof it is Stripe's).
 pub const INSERT_UNSTORABLE_SQL: &str = "\
 INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, raw_body, payload_bytes,
-                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t)
-VALUES ($1, $2, $3, $4, $5, octet_length($5), 'unstorable', now(), $6, $7, $8, $9)
+                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t,
+                           signature_v1)
+VALUES ($1, $2, $3, $4, $5, octet_length($5), 'unstorable', now(), $6, $7, $8, $9, $10)
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
 RETURNING endpoint, event_id";
 
@@ -77,6 +82,8 @@ pub struct Provenance<'a> {
     pub secret_fingerprint: &'a str,
     /// The signature header's `t`.
     pub signature_t: i64,
+    /// The `v1` signature that matched (32 bytes).
+    pub signature_v1: &'a [u8],
 }
 
 /// One event to store.
@@ -90,6 +97,8 @@ pub struct NewEvent<'a> {
     /// Set when the row must be parked on arrival: why, and the message for `needs-review`.
     pub held: Option<(Held, &'a str)>,
     pub provenance: Provenance<'a>,
+    /// Keep the exact bytes and the signature too (`--keep-raw`), as evidence.
+    pub keep_raw: bool,
 }
 
 /// Whether an insert stored a new row or found the event already there.
@@ -140,7 +149,10 @@ pub async fn insert_events(
     let positions: Vec<i16> = events.iter().map(|e| e.provenance.secret_position).collect();
     let fingerprints: Vec<&str> = events.iter().map(|e| e.provenance.secret_fingerprint).collect();
     let signed: Vec<i64> = events.iter().map(|e| e.provenance.signature_t).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 11] = [
+    let raw: Vec<Option<&[u8]>> = events.iter().map(|e| e.keep_raw.then_some(e.payload)).collect();
+    let v1: Vec<Option<&[u8]>> =
+        events.iter().map(|e| e.keep_raw.then_some(e.provenance.signature_v1)).collect();
+    let params: [(&(dyn ToSql + Sync), Type); 13] = [
         (&provider, Type::TEXT),
         (&endpoints, Type::TEXT_ARRAY),
         (&ids, Type::TEXT_ARRAY),
@@ -152,6 +164,8 @@ pub async fn insert_events(
         (&positions, Type::INT2_ARRAY),
         (&fingerprints, Type::TEXT_ARRAY),
         (&signed, Type::INT8_ARRAY),
+        (&raw, Type::BYTEA_ARRAY),
+        (&v1, Type::BYTEA_ARRAY),
     ];
     let rows = match pooler {
         Pooler::None => {
@@ -176,7 +190,7 @@ pub async fn insert_unstorable(
     reason: &str,
     timeout: std::time::Duration,
 ) -> Result<bool, tokio_postgres::Error> {
-    let params: [(&(dyn ToSql + Sync), Type); 9] = [
+    let params: [(&(dyn ToSql + Sync), Type); 10] = [
         (&provider, Type::TEXT),
         (&event.endpoint, Type::TEXT),
         (&event.event_id, Type::TEXT),
@@ -186,6 +200,7 @@ pub async fn insert_unstorable(
         (&event.provenance.secret_position, Type::INT2),
         (&event.provenance.secret_fingerprint, Type::TEXT),
         (&event.provenance.signature_t, Type::INT8),
+        (&event.provenance.signature_v1, Type::BYTEA),
     ];
     let rows = super::query_in_own_transaction(client, timeout, INSERT_UNSTORABLE_SQL, &params).await?;
     Ok(!rows.is_empty())
