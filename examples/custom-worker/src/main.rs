@@ -1,7 +1,8 @@
 //! `custom-worker`: a team's own worker binary. The stock invoice handlers, plus the team's
-//! subscription state machine ([`subscriptions`]) with its table and migration; every subcommand
-//! of `inbox-worker` (`migrate`, `run`, `replay`, the operator commands) comes from
-//! `inbox_worker::main_with`.
+//! subscription state machine ([`subscriptions`]) and its handler of Stripe's thin events
+//! ([`thin`]: it queues the fetch of the object they name), each with its table and migration;
+//! every subcommand of `inbox-worker` (`migrate`, `run`, `replay`, the operator commands) comes
+//! from `inbox_worker::main_with`.
 //!
 //! Configuration: `SUBSCRIPTION_PRICES`, the comma-separated Stripe price ids this product sells
 //! (unset: every subscription). A malformed value stops the binary before it does anything.
@@ -11,8 +12,10 @@ use std::process::ExitCode;
 use inbox_worker::prelude::*;
 
 mod subscriptions;
+mod thin;
 
 use subscriptions::{Prices, SubscriptionHandler};
+use thin::QueueFetch;
 
 fn main() -> ExitCode {
     let prices = match Prices::from_env() {
@@ -27,10 +30,14 @@ fn main() -> ExitCode {
     for event_type in subscriptions::EVENT_TYPES {
         registry.register(event_type, subscriptions.clone());
     }
+    for event_type in thin::EVENT_TYPES {
+        registry.register(event_type, QueueFetch);
+    }
     // Applied by `migrate` after the inbox's own migrations, recorded in a history table of its own.
     registry.migrations(
         Migrations::new("custom_worker_schema_history")
-            .add("V1__subscriptions", include_str!("../migrations/V1__subscriptions.sql")),
+            .add("V1__subscriptions", include_str!("../migrations/V1__subscriptions.sql"))
+            .add("V2__stripe_fetches", include_str!("../migrations/V2__stripe_fetches.sql")),
     );
     inbox_worker::main_with(registry)
 }

@@ -1,6 +1,8 @@
 //! `custom-worker` end to end: the built binary (and `inbox-ingest`) as processes against a
 //! database of their own, with subscription events built from Stripe's own `subscription`
-//! fixture (`fixtures/subscription.json`), signed and posted over HTTP the way Stripe does.
+//! fixture (`fixtures/subscription.json`) and thin events built to Stripe's `v2.core.event` schema
+//! (`inbox_test_support::stripe_fixtures::thin_event`, which checks each against the schema),
+//! signed and posted over HTTP the way Stripe does.
 //!
 //! Needs `DATABASE_URL` (`make test`, or `scripts/with-db.sh cargo nextest run -p custom-worker`)
 //! and the binaries built (`make build`).
@@ -12,6 +14,7 @@ use inbox_test_support::app::raw_request;
 use inbox_test_support::db::{column, scalar};
 use inbox_test_support::events::{invoice_paid, now, sign, SECRET_A};
 use inbox_test_support::process::{command, run, run_split, start_ingest, Proc};
+use inbox_test_support::stripe_fixtures::{assert_matches_thin_event_schema, thin_event, Related};
 use inbox_test_support::worker::{eventually, store_event};
 use inbox_test_support::TestDb;
 use serde_json::{json, Value};
@@ -89,6 +92,33 @@ fn event(event_id: &str, event_type: &str, object: &Value) -> Vec<u8> {
         "type": event_type
     }))
     .unwrap()
+}
+
+/// The thin event type about a billing meter (a v1 object).
+const METER_ERROR: &str = "v1.billing.meter.error_report_triggered";
+/// The thin event type about an Accounts v2 account.
+const ACCOUNT_UPDATED: &str = "v2.core.account.updated";
+
+/// A billing meter as a thin event's `related_object`.
+fn meter(id: &str) -> (String, &'static str, String) {
+    (id.to_owned(), "billing.meter", format!("/v1/billing/meters/{id}"))
+}
+
+/// An Accounts v2 account as a thin event's `related_object`.
+fn account(id: &str) -> (String, &'static str, String) {
+    (id.to_owned(), "v2.core.account", format!("/v2/core/accounts/{id}"))
+}
+
+/// A thin event (`"object": "v2.core.event"`) of `event_type` about `related` (id, type, url), on
+/// the connected account `context` if any, as Stripe sends it: no `data.object`, `created` as RFC
+/// 3339 text.
+fn thin(event_id: &str, event_type: &str, related: &(String, &str, String), context: Option<&str>) -> Value {
+    let (id, object_type, url) = related;
+    thin_event(event_id, event_type, Related { id, object_type, url }, context, "2026-10-01T12:00:00.000Z")
+}
+
+fn bytes(event: &Value) -> Vec<u8> {
+    serde_json::to_vec(event).unwrap()
 }
 
 // ---- Processes ------------------------------------------------------------------------------
@@ -215,6 +245,64 @@ fn row(customer: &str, stage: &str, ended_at: Option<i64>) -> Option<Subscriptio
     Some((customer.to_owned(), stage.to_owned(), ended_at))
 }
 
+/// A `stripe_fetches` row: (object_type, url, account, last_event_id, whether it was fetched since).
+type FetchRow = (String, String, Option<String>, String, bool);
+
+async fn fetch_row(client: &Client, object_id: &str) -> Option<FetchRow> {
+    client
+        .query_opt(
+            "SELECT object_type, url, account, last_event_id, fetched_at IS NOT NULL
+               FROM stripe_fetches WHERE object_id = $1",
+            &[&object_id],
+        )
+        .await
+        .unwrap()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+}
+
+fn fetch(
+    related: &(String, &str, String),
+    account: Option<&str>,
+    last_event_id: &str,
+    fetched: bool,
+) -> Option<FetchRow> {
+    let (_, object_type, url) = related;
+    Some((
+        (*object_type).to_owned(),
+        url.clone(),
+        account.map(str::to_owned),
+        last_event_id.to_owned(),
+        fetched,
+    ))
+}
+
+/// What the fetcher described in the README does before its `GET`: reads the due fetch of
+/// `object_id`, as the version it will complete.
+async fn take_due_fetch(client: &Client, object_id: &str) -> (String, std::time::SystemTime) {
+    let row = client
+        .query_one(
+            "SELECT last_event_id, queued_at FROM stripe_fetches WHERE object_id = $1 AND fetched_at IS NULL",
+            &[&object_id],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// What the fetcher does once it applied the object it fetched: marks the fetch done unless an
+/// event queued it again meanwhile. Returns whether it did.
+async fn complete_fetch(client: &Client, object_id: &str, taken: &(String, std::time::SystemTime)) -> bool {
+    let marked = client
+        .execute(
+            "UPDATE stripe_fetches SET fetched_at = now()
+              WHERE object_id = $1 AND last_event_id = $2 AND queued_at = $3 AND fetched_at IS NULL",
+            &[&object_id, &taken.0, &taken.1],
+        )
+        .await
+        .unwrap();
+    marked == 1
+}
+
 /// A database with the inbox's schema and, applied by `custom-worker migrate`, the example's.
 async fn migrated_db() -> TestDb {
     let db = TestDb::new().await;
@@ -225,7 +313,7 @@ async fn migrated_db() -> TestDb {
 // ---- Specifications -------------------------------------------------------------------------
 
 #[tokio::test]
-async fn migrate_applies_the_inbox_schema_then_the_subscriptions_table_each_in_its_own_history() {
+async fn migrate_applies_the_inbox_schema_then_the_examples_tables_each_in_its_own_history() {
     let db = TestDb::empty().await;
     let client = db.client().await;
     let first = ok(&db, &["migrate"]).await;
@@ -240,20 +328,26 @@ async fn migrate_applies_the_inbox_schema_then_the_subscriptions_table_each_in_i
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(ours, [(1, "subscriptions".to_owned())]);
+    assert_eq!(ours, [(1, "subscriptions".to_owned()), (2, "stripe_fetches".to_owned())]);
     assert_eq!(
-        scalar(&client, "SELECT count(*) FROM refinery_schema_history WHERE name = 'subscriptions'").await,
+        scalar(
+            &client,
+            "SELECT count(*) FROM refinery_schema_history WHERE name IN ('subscriptions', 'stripe_fetches')"
+        )
+        .await,
         0,
-        "the example's migration is not recorded in the inbox's history"
+        "the example's migrations are not recorded in the inbox's history"
     );
 
     // The inbox's set first, then the example's.
     let position = |needle: &str| first.find(needle).unwrap_or_else(|| panic!("no {needle:?} in:\n{first}"));
     let inbox_done = position(&format!("schema is at version {}", inbox_versions.last().unwrap()));
     let ours_applied = position("applied V1 subscriptions (custom_worker_schema_history)");
+    let ours_v2_applied = position("applied V2 stripe_fetches (custom_worker_schema_history)");
     assert!(inbox_done < ours_applied, "the inbox's migrations must run first:\n{first}");
-    position("custom_worker_schema_history is at version 1");
-    for table in ["webhook_inbox", "ledger_entries", "operator_audit", "subscriptions"] {
+    assert!(ours_applied < ours_v2_applied, "V1 before V2:\n{first}");
+    position("custom_worker_schema_history is at version 2");
+    for table in ["webhook_inbox", "ledger_entries", "operator_audit", "subscriptions", "stripe_fetches"] {
         assert_eq!(db.count(table).await, 0, "{table}");
     }
     // The table refuses what the handler must never write: a live subscription with an end date.
@@ -266,16 +360,26 @@ async fn migrate_applies_the_inbox_schema_then_the_subscriptions_table_each_in_i
         .await
         .unwrap_err();
     assert!(format!("{refused:?}").contains("subscriptions_ended_at_iff_ended"), "{refused:?}");
+    // And a fetch of anything but a path on api.stripe.com.
+    let refused = client
+        .execute(
+            "INSERT INTO stripe_fetches (object_id, object_type, url, last_event_id) \
+             VALUES ('mtr_x', 'billing.meter', 'https://evil.example/v1/billing/meters/mtr_x', 'evt_x')",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert!(format!("{refused:?}").contains("stripe_fetches_url_is_a_path"), "{refused:?}");
 
     let second = ok(&db, &["migrate"]).await;
     assert!(second.contains("schema is up to date at version"), "{second}");
-    assert!(second.contains("custom_worker_schema_history is up to date at version 1"), "{second}");
+    assert!(second.contains("custom_worker_schema_history is up to date at version 2"), "{second}");
     assert!(!second.contains("applied"), "{second}");
     assert_eq!(
         scalar(&client, "SELECT count(*) FROM refinery_schema_history").await,
         inbox_versions.len() as i64
     );
-    assert_eq!(scalar(&client, "SELECT count(*) FROM custom_worker_schema_history").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM custom_worker_schema_history").await, 2);
 }
 
 #[tokio::test]
@@ -499,6 +603,134 @@ async fn a_subscription_without_a_payer_fails_with_a_clear_error_and_parks_for_r
     assert_eq!(subscription_row(&client, "sub_1NoPayer").await, None);
     // The rest of the queue flowed past it.
     assert_eq!(subscription_row(&client, "sub_1Fine").await, row(&customer_of("sub_1Fine"), "live", None));
+    stop_worker(worker).await;
+}
+
+#[tokio::test]
+async fn thin_events_about_one_object_queue_one_fetch_of_its_url_due_again_after_each_new_event_but_not_a_redelivery(
+) {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    let (_ingest, base) = start_ingest_on(&db).await;
+    let worker = start_worker(&db, &[]).await;
+    let mtr = meter("mtr_1ErrorsReported");
+    let first = bytes(&thin("evt_thin_1", METER_ERROR, &mtr, None));
+    let second = bytes(&thin("evt_thin_2", METER_ERROR, &mtr, None));
+    let third = bytes(&thin("evt_thin_3", METER_ERROR, &mtr, None));
+
+    // The first event queues a fetch of the meter, on the platform (no context); the fetcher
+    // takes it and marks it done.
+    deliver(&base, &client, &worker, &first).await;
+    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_1", false));
+    let taken = take_due_fetch(&client, &mtr.0).await;
+    assert!(complete_fetch(&client, &mtr.0, &taken).await);
+    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_1", true));
+
+    // A second event about the meter after the fetch: the same row, due again, for that event.
+    deliver(&base, &client, &worker, &second).await;
+    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_2", false));
+
+    // A third arrives while the fetcher's GET for the second is in flight: the fetcher's
+    // completion must not hide it (the object it read may predate the third change).
+    let in_flight = take_due_fetch(&client, &mtr.0).await;
+    deliver(&base, &client, &worker, &third).await;
+    assert!(!complete_fetch(&client, &mtr.0, &in_flight).await, "a stale fetch marked the row done");
+    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_3", false));
+    let taken = take_due_fetch(&client, &mtr.0).await;
+    assert!(complete_fetch(&client, &mtr.0, &taken).await);
+
+    // Stripe delivers the first and the third again: the inbox has them already, so no fetch is
+    // due again and the row keeps the latest event.
+    for body in [&first, &third] {
+        deliver(&base, &client, &worker, body).await;
+    }
+    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_3", true));
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 1);
+    assert_eq!(
+        scalar(
+            &client,
+            "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL AND last_error IS NULL"
+        )
+        .await,
+        3
+    );
+    stop_worker(worker).await;
+}
+
+#[tokio::test]
+async fn a_connect_thin_event_queues_its_fetch_on_behalf_of_the_connected_account_in_its_context() {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    let (_ingest, base) = start_ingest_on(&db).await;
+    let worker = start_worker(&db, &[]).await;
+
+    // A meter of a connected account reported errors: the event names the account in `context`,
+    // and the fetch is made on its behalf (Stripe-Context).
+    let connected = "acct_1ConnectedSeller";
+    let mtr = meter("mtr_1OnConnectedAccount");
+    deliver(&base, &client, &worker, &bytes(&thin("evt_thin_connect", METER_ERROR, &mtr, Some(connected))))
+        .await;
+    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, Some(connected), "evt_thin_connect", false));
+
+    // The platform's own event about that account (Accounts v2) has no context: fetched as the
+    // platform, at the v2 path.
+    let acct = account(connected);
+    deliver(&base, &client, &worker, &bytes(&thin("evt_thin_account", ACCOUNT_UPDATED, &acct, None))).await;
+    assert_eq!(fetch_row(&client, connected).await, fetch(&acct, None, "evt_thin_account", false));
+    assert_eq!(
+        fetch_row(&client, connected).await.unwrap().1,
+        format!("/v2/core/accounts/{connected}"),
+        "the path the fetcher appends to https://api.stripe.com"
+    );
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 2);
+    stop_worker(worker).await;
+}
+
+#[tokio::test]
+async fn a_thin_event_without_related_object_fails_with_a_clear_error_and_parks_while_the_others_are_processed(
+) {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    // Stripe's schema does not require related_object, so the event is a valid `v2.core.event`;
+    // this handler cannot do anything with it.
+    let mut without = thin("evt_thin_no_related", ACCOUNT_UPDATED, &account("acct_1Unnamed"), None);
+    without.as_object_mut().unwrap().remove("related_object");
+    assert_matches_thin_event_schema(&without);
+    store_event(&client, "billing", &bytes(&without)).await;
+    let mtr = meter("mtr_1FlowsPast");
+    store_event(&client, "billing", &bytes(&thin("evt_thin_meter", METER_ERROR, &mtr, Some("acct_1Seller"))))
+        .await;
+    let acct = account("acct_1AlsoFlowsPast");
+    store_event(&client, "billing", &bytes(&thin("evt_thin_account", ACCOUNT_UPDATED, &acct, None))).await;
+
+    let worker = start_worker(&db, &["--max-attempts", "2"]).await;
+    // Parked once the second attempt failed (as for the subscription without a payer).
+    let parked = eventually(TIMEOUT, || async {
+        scalar(
+            &client,
+            "SELECT count(*) FROM webhook_inbox
+              WHERE event_id = 'evt_thin_no_related' AND attempts = 2 AND processed_at IS NULL
+                AND last_error IS NOT NULL AND available_at < now() + interval '1 minute'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    assert!(parked, "the row was not retried up to the limit:\n{}", worker.output());
+
+    let review = json_of(&db, &["--max-attempts", "2", "needs-review"]).await;
+    assert_eq!(review["count"], 1, "{review}");
+    assert_eq!(review["rows"][0]["event_id"], "evt_thin_no_related", "{review}");
+    let last_error = review["rows"][0]["last_error"].as_str().unwrap_or_default();
+    assert!(
+        last_error.contains("related_object {id, type, url} is missing")
+            && last_error.contains("v2.core.account.updated must name the object to fetch"),
+        "{review}"
+    );
+    // The rest of the queue flowed past it; the parked event queued nothing.
+    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, Some("acct_1Seller"), "evt_thin_meter", false));
+    assert_eq!(fetch_row(&client, &acct.0).await, fetch(&acct, None, "evt_thin_account", false));
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 2);
     stop_worker(worker).await;
 }
 
