@@ -121,12 +121,38 @@ async fn a_verified_body_jsonb_refuses_is_200_kept_byte_exact_parked_with_its_re
         .await,
         3
     );
-    // The database itself refuses to release a row without a payload into the queue.
-    let err = client
+    // A hold cleared by hand puts a row without a payload in the queue: the claim parks it again
+    // (held as unstorable), never hands it to a handler, and the other rows are processed.
+    client
         .execute("UPDATE webhook_inbox SET held = NULL, parked_at = NULL WHERE event_id = 'evt_nul'", &[])
         .await
-        .unwrap_err();
-    assert_eq!(err.code().map(|c| c.code()), Some("23514"), "{err}");
+        .unwrap();
+    let good = invoice_paid("evt_good", "in_good", 100);
+    assert_eq!(app.post_signed(good).await.status, 200);
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", app.db.url()).args(["run", "--poll-interval", "100ms"]);
+    let worker_proc = Proc::spawn(cmd);
+    worker_proc.wait_for_line("inbox-worker running", Duration::from_secs(30));
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            scalar(
+                &client,
+                "SELECT count(*) FROM webhook_inbox WHERE event_id = 'evt_good' AND processed_at IS NOT NULL",
+            )
+            .await
+                == 1
+        })
+        .await
+    );
+    let row = client
+        .query_one("SELECT held, parked_at IS NOT NULL, processed_at IS NULL, last_error FROM webhook_inbox WHERE event_id = 'evt_nul'", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Option<String>>(0).as_deref(), Some("unstorable"));
+    assert!(row.get::<_, bool>(1) && row.get::<_, bool>(2), "parked again, not processed");
+    assert!(row.get::<_, String>(3).contains("raw_body"), "{:?}", row.get::<_, String>(3));
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1, "only evt_good booked");
+    drop(worker_proc);
 }
 
 #[tokio::test]

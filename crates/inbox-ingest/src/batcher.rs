@@ -22,7 +22,7 @@ use actix_web::web::Bytes;
 use deadpool_postgres::Pool;
 use inbox_domain::budget::{ByteBudget, BytesHeld};
 use inbox_domain::db::Pooler;
-use inbox_domain::inbox::store::ingest::{self as store, Held, InsertOutcome, NewEvent, Provenance};
+use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent, Provenance};
 use inbox_domain::PROVIDER_STRIPE;
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 use tokio_postgres::error::SqlState;
@@ -36,13 +36,12 @@ struct Pending {
     event_id: String,
     event_type: String,
     payload: Bytes,
-    /// Set when the row is parked on arrival: why, and the message for `needs-review`.
-    held: Option<(Held, String)>,
+    /// Set when the event's livemode disagrees with its endpoint: the message for `needs-review`.
+    livemode_hold: Option<String>,
     secret_position: i16,
     secret_fingerprint: Arc<str>,
     signature_t: i64,
     signature_v1: [u8; 32],
-    keep_raw: bool,
     reply: oneshot::Sender<Result<InsertOutcome, IngestError>>,
     /// The payload's share of the bytes in flight, given back when the batch is written — not
     /// when the request gives up waiting: the payload stays queued until then.
@@ -79,15 +78,17 @@ pub struct Batcher {
 
 impl Batcher {
     /// Starts `writers` writer tasks on the current runtime. They stop when every handle is dropped.
+    /// `keep_raw`: rows also keep the exact bytes and the matching signature (`--keep-raw`).
     pub fn start(
         pool: Pool,
         pooler: Pooler,
         writers: usize,
         db_timeout: Duration,
+        keep_raw: bool,
         payloads: ByteBudget,
         metrics: Metrics,
     ) -> Batcher {
-        let target = Target { pool, pooler, timeout: db_timeout };
+        let target = Target { pool, pooler, timeout: db_timeout, keep_raw };
         let (queue, rx) = mpsc::channel(MAX_BATCH * writers.max(1) * 4);
         let shared =
             Arc::new(Writers { queue: Mutex::new(rx), writing: AtomicUsize::new(0), changed: Notify::new() });
@@ -107,12 +108,11 @@ impl Batcher {
             event_id: event.event_id.to_owned(),
             event_type: event.event_type.to_owned(),
             payload,
-            held: event.held,
+            livemode_hold: event.livemode_hold,
             secret_position: event.secret_position,
             secret_fingerprint: event.secret_fingerprint,
             signature_t: event.signature_t,
             signature_v1: event.signature_v1,
-            keep_raw: event.keep_raw,
             reply,
             _held: room,
         };
@@ -130,8 +130,9 @@ pub struct Verified<'a> {
     pub endpoint: &'a str,
     pub event_id: &'a str,
     pub event_type: &'a str,
-    /// Set when the row must be parked on arrival (a livemode that disagrees with the endpoint).
-    pub held: Option<(Held, String)>,
+    /// Set when the row must be parked on arrival because its livemode disagrees with the
+    /// endpoint's declared mode: the message for `needs-review`.
+    pub livemode_hold: Option<String>,
     /// Position of the verifying secret in the endpoint's list, from 0.
     pub secret_position: i16,
     pub secret_fingerprint: Arc<str>,
@@ -139,8 +140,6 @@ pub struct Verified<'a> {
     pub signature_t: i64,
     /// The `v1` signature that matched.
     pub signature_v1: [u8; 32],
-    /// Store the exact bytes and the signature too (`--keep-raw`).
-    pub keep_raw: bool,
 }
 
 impl Pending {
@@ -150,14 +149,13 @@ impl Pending {
             event_id: &self.event_id,
             event_type: &self.event_type,
             payload: &self.payload,
-            held: self.held.as_ref().map(|(held, reason)| (*held, reason.as_str())),
+            livemode_hold: self.livemode_hold.as_deref(),
             provenance: Provenance {
                 secret_position: self.secret_position,
                 secret_fingerprint: &self.secret_fingerprint,
                 signature_t: self.signature_t,
                 signature_v1: &self.signature_v1,
             },
-            keep_raw: self.keep_raw,
         }
     }
 }
@@ -169,6 +167,8 @@ struct Target {
     pooler: Pooler,
     /// Bound on a connection plus the insert, and the insert's server-side statement timeout.
     timeout: Duration,
+    /// Keep the exact bytes and the matching signature of every row (`--keep-raw`).
+    keep_raw: bool,
 }
 
 async fn writer(shared: Arc<Writers>, target: Target, metrics: Metrics) {
@@ -334,7 +334,7 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
             tracing::debug!(error = %inbox_domain::db::describe_pool_error(&e), "no database connection");
             BatchError::Unavailable("no connection")
         })?;
-        store::insert_events(&client, target.pooler, PROVIDER_STRIPE, rows, target.timeout)
+        store::insert_events(&client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout)
             .await
             .map_err(classify)
     };

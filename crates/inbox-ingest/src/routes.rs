@@ -126,28 +126,24 @@ async fn receive(
     span.record("event_id", head.id.as_ref());
     span.record("event_type", head.event_type.as_ref());
 
-    let held = match config.mode {
-        Some(mode) if !mode.admits(head.livemode) => Some((
-            Held::Livemode,
-            format!(
-                "livemode: the event's livemode is {} and endpoint {endpoint} is declared {}: stored, not applied",
-                head.livemode.map_or("absent", |live| if live { "true" } else { "false" }),
-                mode.as_str()
-            ),
+    let livemode_hold = match config.mode {
+        Some(mode) if !mode.admits(head.livemode) => Some(format!(
+            "livemode: the event's livemode is {} and endpoint {endpoint} is declared {}: stored, not applied",
+            head.livemode.map_or("absent", |live| if live { "true" } else { "false" }),
+            mode.as_str()
         )),
         _ => None,
     };
-    let held_kind = held.as_ref().map(|(kind, _)| *kind);
+    let held_kind = livemode_hold.as_ref().map(|_| Held::Livemode);
     let event = Verified {
         endpoint,
         event_id: &head.id,
         event_type: &head.event_type,
-        held,
+        livemode_hold,
         secret_position: i16::try_from(verified.secret).unwrap_or(i16::MAX),
         secret_fingerprint: fingerprint,
         signature_t: verified.timestamp,
         signature_v1: verified.signature,
-        keep_raw: state.keep_raw,
     };
     let stored = state.batcher.insert(event, body.clone());
     let outcome = match tokio::time::timeout(state.db_timeout, stored).await {

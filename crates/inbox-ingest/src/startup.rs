@@ -43,8 +43,6 @@ pub struct AppState {
     pub body_timeout: Duration,
     /// Bound on storing the event (503 past it).
     pub db_timeout: Duration,
-    /// Store every verified body byte for byte with its signature (`--keep-raw`).
-    pub keep_raw: bool,
     pub metrics: Metrics,
     /// Group-commit writers: every insert goes through them.
     pub batcher: Batcher,
@@ -128,6 +126,7 @@ impl Application {
             settings.database.pooler,
             writers,
             settings.db_timeout,
+            settings.keep_raw,
             ByteBudget::new(settings.max_bytes_in_flight),
             metrics.clone(),
         );
@@ -140,7 +139,6 @@ impl Application {
             max_body: settings.max_body,
             body_timeout: settings.body_timeout,
             db_timeout: settings.db_timeout,
-            keep_raw: settings.keep_raw,
             metrics,
             batcher,
         });

@@ -160,7 +160,8 @@ async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String>
 }
 
 /// Counts and logs the rows a claim parked: at the attempt limit, their last attempt ended without
-/// an outcome (a worker died or lost its lease).
+/// an outcome (a worker died or lost its lease); or without a payload to process (an unstorable
+/// body whose hold was cleared by hand). Their `last_error` says which.
 fn report_parked(ctx: &Context, parked: &[Claimed]) {
     ctx.metrics.events(EventOutcome::Parked, parked.len() as u64);
     for row in parked {
@@ -171,7 +172,8 @@ fn report_parked(ctx: &Context, parked: &[Claimed]) {
             event_id = %row.key.event_id,
             event_type = %row.event_type,
             attempt = row.attempts,
-            "event parked for review: its last allowed attempt ended without an outcome"
+            "event parked for review by the claim: its last allowed attempt ended without an outcome, \
+             or it has no payload (see its last_error)"
         );
     }
 }

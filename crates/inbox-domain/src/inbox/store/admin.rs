@@ -481,8 +481,9 @@ pub async fn lock_parked(
 }
 
 /// Puts rows back in the queue: not parked (nor held), attempts 0, available now; `last_error` is
-/// kept for history (the next failure or the processing overwrites it). A row without a payload
-/// (held as unstorable) cannot leave the hold: the table's constraint refuses it. `$1` provider, `$2` endpoints and
+/// kept for history (the next failure or the processing overwrites it). `requeue` never passes a
+/// row without a payload (held as unstorable); were one requeued, the next claim would park it
+/// again ([`super::queue::CLAIM_SQL`]). `$1` provider, `$2` endpoints and
 /// `$3` event ids (parallel arrays: the rows locked before). Only unprocessed rows.
 pub const REQUEUE_SQL: &str = "\
 UPDATE webhook_inbox

@@ -16,26 +16,55 @@ use crate::inbox::event::JsonBytes;
 /// one's outcome: if it commits, this one skips the row; if it rolls back, this one inserts it.
 ///
 /// Parameters: provider, then one array per column: endpoints, event ids, event types, payloads,
-/// the payloads' sizes in bytes as received (the workers' memory budget counts them), why the row
-/// is held on arrival (NULL, or `livemode` — see [`Held`]) with the message a person reads in
-/// `needs-review`, and how the delivery was verified: the secret's position and fingerprint, the
-/// signature's `t`, and — only when the ingest keeps raw bodies (`--keep-raw`), NULL otherwise —
-/// the exact bytes and the `v1` signature that matched. A held row is parked from the start
-/// (`parked_at`), so no worker claims it.
-/// Returns the (endpoint, event_id) of the rows inserted; the others were duplicates.
-pub const INSERT_EVENTS_SQL: &str = "\
+/// the payloads' sizes in bytes as received (the workers' memory budget counts them), the reason a
+/// row is held on arrival (NULL, or why its `livemode` disagrees with the endpoint: the message a
+/// person reads in `needs-review`; a row with one is held as `livemode` and parked from the start,
+/// so no worker claims it), and how the delivery was verified: the secret's position and
+/// fingerprint and the signature's `t`. Returns the (endpoint, event_id) of the rows inserted; the
+/// others were duplicates.
+///
+/// Every array costs the ingest to encode and PostgreSQL to decode and unnest on the hot path, so
+/// the raw bytes and their signature, NULL unless `--keep-raw`, are not sent here but by
+/// [`INSERT_EVENTS_RAW_SQL`]. For the same reason the table has no CHECK constraint (see
+/// migration V6).
+pub const INSERT_EVENTS_SQL: &str = insert_events_sql!("", "", "");
+
+/// [`INSERT_EVENTS_SQL`] that also keeps the exact bytes and the `v1` signature that matched
+/// (`--keep-raw`): two more arrays, `$11` and `$12`.
+pub const INSERT_EVENTS_RAW_SQL: &str = insert_events_sql!(
+    ", raw_body, signature_v1",
+    ", e.raw_body, e.signature_v1",
+    ", $11::bytea[], $12::bytea[]"
+);
+
+/// The text of [`INSERT_EVENTS_SQL`], with extra columns, their values and their arrays.
+macro_rules! insert_events_sql {
+    ($columns:literal, $values:literal, $arrays:literal) => {
+        concat!(
+            "\
 INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes,
-                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t,
-                           raw_body, signature_v1)
+                           held, parked_at, last_error, secret_position, secret_fingerprint, signature_t",
+            $columns,
+            ")
 SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload, e.payload_bytes,
-       e.held, CASE WHEN e.held IS NOT NULL THEN now() END, e.reason,
-       e.secret_position, e.secret_fingerprint, e.signature_t, e.raw_body, e.signature_v1
+       CASE WHEN e.reason IS NOT NULL THEN 'livemode' END, CASE WHEN e.reason IS NOT NULL THEN now() END,
+       e.reason, e.secret_position, e.secret_fingerprint, e.signature_t",
+            $values,
+            "
   FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::int4[],
-              $7::text[], $8::text[], $9::int2[], $10::text[], $11::int8[], $12::bytea[], $13::bytea[])
+              $7::text[], $8::int2[], $9::text[], $10::int8[]",
+            $arrays,
+            ")
        AS e(endpoint, event_id, event_type, payload, payload_bytes,
-            held, reason, secret_position, secret_fingerprint, signature_t, raw_body, signature_v1)
+            reason, secret_position, secret_fingerprint, signature_t",
+            $columns,
+            ")
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
-RETURNING endpoint, event_id";
+RETURNING endpoint, event_id"
+        )
+    };
+}
+use insert_events_sql;
 
 /// Stores one verified event whose body PostgreSQL's `jsonb` refused (a `\\u0000` escape, a lone
 /// surrogate, nesting deeper than the server's stack): the exact bytes in `raw_body`, no
@@ -94,11 +123,10 @@ pub struct NewEvent<'a> {
     pub event_type: &'a str,
     /// The verified body, stored as `jsonb`.
     pub payload: &'a [u8],
-    /// Set when the row must be parked on arrival: why, and the message for `needs-review`.
-    pub held: Option<(Held, &'a str)>,
+    /// Set when the event's `livemode` disagrees with the endpoint's declared mode: the message
+    /// for `needs-review`. The row is then held as [`Held::Livemode`] and parked on arrival.
+    pub livemode_hold: Option<&'a str>,
     pub provenance: Provenance<'a>,
-    /// Keep the exact bytes and the signature too (`--keep-raw`), as evidence.
-    pub keep_raw: bool,
 }
 
 /// Whether an insert stored a new row or found the event already there.
@@ -121,7 +149,8 @@ impl InsertOutcome {
     }
 }
 
-/// Runs [`INSERT_EVENTS_SQL`]; returns the keys (endpoint, event_id) that were inserted.
+/// Runs [`INSERT_EVENTS_SQL`] (or, with `keep_raw`, [`INSERT_EVENTS_RAW_SQL`]); returns the keys
+/// (endpoint, event_id) that were inserted.
 ///
 /// Directly ([`Pooler::None`]) the statement is prepared once per connection and runs in
 /// autocommit, bounded by the session's `statement_timeout` (set when the ingest's pool opens the
@@ -136,6 +165,7 @@ pub async fn insert_events(
     pooler: Pooler,
     provider: &str,
     events: &[NewEvent<'_>],
+    keep_raw: bool,
     timeout: std::time::Duration,
 ) -> Result<Vec<(String, String)>, tokio_postgres::Error> {
     let endpoints: Vec<&str> = events.iter().map(|e| e.endpoint).collect();
@@ -144,44 +174,44 @@ pub async fn insert_events(
     let payloads: Vec<JsonBytes<'_>> = events.iter().map(|e| JsonBytes(e.payload)).collect();
     // Bodies are at most --max-body (far below 2 GiB); saturate rather than wrap all the same.
     let sizes: Vec<i32> = events.iter().map(|e| i32::try_from(e.payload.len()).unwrap_or(i32::MAX)).collect();
-    let held: Vec<Option<&str>> = events.iter().map(|e| e.held.map(|(held, _)| held.as_str())).collect();
-    let reasons: Vec<Option<&str>> = events.iter().map(|e| e.held.map(|(_, reason)| reason)).collect();
+    let reasons: Vec<Option<&str>> = events.iter().map(|e| e.livemode_hold).collect();
     let positions: Vec<i16> = events.iter().map(|e| e.provenance.secret_position).collect();
     let fingerprints: Vec<&str> = events.iter().map(|e| e.provenance.secret_fingerprint).collect();
     let signed: Vec<i64> = events.iter().map(|e| e.provenance.signature_t).collect();
-    let raw: Vec<Option<&[u8]>> = events.iter().map(|e| e.keep_raw.then_some(e.payload)).collect();
-    let v1: Vec<Option<&[u8]>> =
-        events.iter().map(|e| e.keep_raw.then_some(e.provenance.signature_v1)).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 13] = [
+    let raw: Vec<&[u8]> = if keep_raw { events.iter().map(|e| e.payload).collect() } else { Vec::new() };
+    let v1: Vec<&[u8]> =
+        if keep_raw { events.iter().map(|e| e.provenance.signature_v1).collect() } else { Vec::new() };
+    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
         (&provider, Type::TEXT),
         (&endpoints, Type::TEXT_ARRAY),
         (&ids, Type::TEXT_ARRAY),
         (&types, Type::TEXT_ARRAY),
         (&payloads, Type::JSONB_ARRAY),
         (&sizes, Type::INT4_ARRAY),
-        (&held, Type::TEXT_ARRAY),
         (&reasons, Type::TEXT_ARRAY),
         (&positions, Type::INT2_ARRAY),
         (&fingerprints, Type::TEXT_ARRAY),
         (&signed, Type::INT8_ARRAY),
-        (&raw, Type::BYTEA_ARRAY),
-        (&v1, Type::BYTEA_ARRAY),
     ];
+    let sql = if keep_raw {
+        params.extend([(&raw as &(dyn ToSql + Sync), Type::BYTEA_ARRAY), (&v1, Type::BYTEA_ARRAY)]);
+        INSERT_EVENTS_RAW_SQL
+    } else {
+        INSERT_EVENTS_SQL
+    };
     let rows = match pooler {
         Pooler::None => {
-            let insert = client.prepare_cached(INSERT_EVENTS_SQL).await?;
+            let insert = client.prepare_cached(sql).await?;
             let params: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(value, _)| *value).collect();
             client.query(&insert, &params).await?
         }
-        Pooler::Transaction => {
-            super::query_in_own_transaction(client, timeout, INSERT_EVENTS_SQL, &params).await?
-        }
+        Pooler::Transaction => super::query_in_own_transaction(client, timeout, sql, &params).await?,
     };
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-/// Runs [`INSERT_UNSTORABLE_SQL`] for `event` (its `held` is ignored: the row is held as
-/// unstorable, with `reason`); returns whether a row was inserted (false: a duplicate). Always
+/// Runs [`INSERT_UNSTORABLE_SQL`] for `event` (its `livemode_hold` is ignored: the row is held
+/// as unstorable, with `reason`); returns whether a row was inserted (false: a duplicate). Always
 /// unnamed and in a transaction of its own with its limits, whatever the pooler: it is rare.
 pub async fn insert_unstorable(
     client: &deadpool_postgres::Object,

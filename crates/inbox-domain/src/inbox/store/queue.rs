@@ -37,7 +37,9 @@ pub struct Claimed {
 /// A picked row already at the attempt limit `$1` is not claimed but parked (`parked_at`, and a
 /// `last_error` saying why): its last allowed attempt ended without an outcome — its worker died
 /// or lost its lease — so no failure write parked it. Rows at the limit from before parking was a
-/// state of the row are parked the same way.
+/// state of the row are parked the same way. So is a picked row without a payload (an unstorable
+/// body whose hold someone cleared by hand): nothing could process it, so it is held as
+/// `unstorable` again, not claimed.
 ///
 /// Oldest availability first; `ORDER BY` inside the locking subquery keeps the scan on the
 /// partial index `webhook_inbox_queue`. The updates find the locked rows by `ctid` (a TID scan)
@@ -49,7 +51,8 @@ pub struct Claimed {
 pub const CLAIM_SQL: &str = concat!(
     "\
 WITH candidates AS (
-    SELECT ctid, attempts, available_at, COALESCE(payload_bytes, octet_length(payload::text)) AS bytes
+    SELECT ctid, attempts, available_at, COALESCE(payload_bytes, octet_length(payload::text)) AS bytes,
+           payload IS NULL AS unreadable
       FROM webhook_inbox
      WHERE ",
     ready!(),
@@ -58,8 +61,8 @@ WITH candidates AS (
      LIMIT $2
        FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT ctid, attempts, bytes
-      FROM (SELECT ctid, attempts, bytes,
+    SELECT ctid, attempts, bytes, unreadable
+      FROM (SELECT ctid, attempts, bytes, unreadable,
                    sum(bytes) OVER (ORDER BY available_at, ctid ROWS UNBOUNDED PRECEDING) - bytes AS before
               FROM candidates) AS c
      WHERE before < $4
@@ -68,17 +71,22 @@ WITH candidates AS (
        SET attempts = w.attempts + 1,
            available_at = now() + make_interval(secs => $3)
       FROM picked
-     WHERE w.ctid = picked.ctid AND picked.attempts < $1
+     WHERE w.ctid = picked.ctid AND picked.attempts < $1 AND NOT picked.unreadable
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
               w.ctid::text AS ctid, picked.bytes::int8 AS bytes, false AS parked
 ), exhausted AS (
     UPDATE webhook_inbox AS w
        SET parked_at = now(),
-           last_error = left('attempt ' || w.attempts || ' of ' || $1
-                             || ' ended without an outcome (its worker stopped or lost its lease)'
-                             || COALESCE('; the attempt before: ' || w.last_error, ''), 1024)
+           held = CASE WHEN picked.unreadable THEN 'unstorable' ELSE w.held END,
+           last_error = CASE
+               WHEN picked.unreadable THEN
+                   'unstorable: no payload to process, the body is kept in raw_body'
+               ELSE left('attempt ' || w.attempts || ' of ' || $1
+                         || ' ended without an outcome (its worker stopped or lost its lease)'
+                         || COALESCE('; the attempt before: ' || w.last_error, ''), 1024)
+           END
       FROM picked
-     WHERE w.ctid = picked.ctid AND picked.attempts >= $1
+     WHERE w.ctid = picked.ctid AND (picked.attempts >= $1 OR picked.unreadable)
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
               w.ctid::text AS ctid, picked.bytes::int8 AS bytes, true AS parked
 )
