@@ -98,6 +98,49 @@ async fn a_worker_frozen_past_its_lease_and_resumed_books_nothing_twice() {
     assert_eq!(last_error, None, "A's late failure must not touch the processed row");
 }
 
+/// An outage is not the events' fault: three storms of `pg_terminate_backend` on the workers'
+/// sessions, each while the same events are mid-booking, with an attempt limit of 3, park
+/// nothing — each interrupted attempt is given back — and every event is booked once.
+#[tokio::test]
+async fn three_storms_of_terminated_backends_park_nothing_and_book_every_event_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    slow_bookings(&client, "AFTER", 1.0).await;
+    for i in 0..3 {
+        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100)).await;
+    }
+    let w = start(worker(&db, &["--max-attempts", "3", "--lease", "30s", "--statement-timeout", "10s"]));
+    for storm in 1..=3 {
+        wait_for_booking_in_progress(&client).await;
+        let killed = scalar(
+            &client,
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE datname = current_database() AND application_name LIKE 'inbox-worker%') AS t",
+        )
+        .await;
+        assert!(killed > 0, "storm {storm} terminated no worker session");
+        // The next storm must meet the next attempt, not this one's dying session.
+        let gone = eventually(Duration::from_secs(10), || async {
+            scalar(
+                &client,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                   AND application_name = 'inbox-worker' AND state = 'active' AND query LIKE '%ledger_entries%'",
+            )
+            .await
+                == 0
+        })
+        .await;
+        assert!(gone, "storm {storm}: the terminated session is still booking");
+    }
+    assert!(all_processed(&client, Duration::from_secs(30)).await, "{}", w.output());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE parked_at IS NOT NULL").await, 0);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 3);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 3);
+    // Every interrupted attempt was given back: each row counts only the attempt that booked it.
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE attempts <> 1").await, 0);
+    assert!(w.output().contains("\"outcome\":\"interrupted\""), "{}", w.output());
+}
+
 #[tokio::test]
 async fn a_handler_over_the_statement_timeout_is_recorded_then_retried() {
     let db = TestDb::new().await;

@@ -877,3 +877,44 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
         "the worker's statements read {tuples_read} rows and index entries of the inbox"
     );
 }
+
+/// A stale worker's failure (or returned attempt) lands only on its own claim. After its lease
+/// expired, an operator requeued the row (attempts back to 0) and another worker claimed it — the
+/// same attempt number again — the stale write must still miss: the claim is identified by its
+/// attempt *and* its lease's end, not by the attempt alone.
+#[tokio::test]
+async fn a_stale_claim_cannot_write_over_a_newer_claim_with_the_same_attempt_number() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    let stale = claim(&pool, 1, Duration::from_millis(50), 10).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // What `requeue --event-id` does, then a new claim by another worker.
+    client
+        .execute("UPDATE webhook_inbox SET attempts = 0, available_at = now(), parked_at = NULL", &[])
+        .await
+        .unwrap();
+    let fresh = claim(&pool, 1, LEASE, 10).await;
+    assert_eq!((stale[0].attempts, fresh[0].attempts), (1, 1), "the same attempt number twice");
+    let before = lease_of(&client).await;
+
+    let failure = Failure { claimed: &stale[0], error: "stale worker's error" };
+    let recorded = inbox_worker::completer::record_failures(&pool, None, &[failure], 10).await;
+    assert_eq!(recorded, [FailureRecord::Superseded]);
+    assert_eq!(inbox_worker::completer::return_interrupted(&pool, &stale, "stale interruption").await, 0);
+    assert_eq!(inbox_worker::completer::hand_back(&pool, &stale).await, 0);
+    assert_eq!(lease_of(&client).await, before, "the fresh claim's lease, error and attempt are untouched");
+
+    // The fresh claim's own writes still land.
+    assert_eq!(inbox_worker::completer::return_interrupted(&pool, &fresh, "connection lost").await, 1);
+    let (_, error, attempts) = lease_of(&client).await;
+    assert_eq!((error.as_deref(), attempts), (Some("connection lost"), 0), "attempt given back, error kept");
+}
+
+/// The row's lease end, last error and attempts.
+async fn lease_of(client: &tokio_postgres::Client) -> (std::time::SystemTime, Option<String>, i32) {
+    let row =
+        client.query_one("SELECT available_at, last_error, attempts FROM webhook_inbox", &[]).await.unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}

@@ -1,7 +1,10 @@
 //! The completer: writes what the process transaction could not — the failures of a batch
 //! (transaction 3, one statement for all of them: `last_error` and the backoff, only while each row
-//! still carries this worker's claim) after the process transaction rolled back, and at shutdown
-//! the claimed rows handed back unstarted.
+//! still carries this worker's claim) after the process transaction rolled back; the attempts an
+//! infrastructure fault interrupted, given back; and at shutdown the claimed rows handed back
+//! unstarted.
+
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use inbox_domain::db::describe_db_error;
@@ -68,21 +71,62 @@ pub async fn record_failures(
 /// Hands back rows claimed but never started (at shutdown), returning their attempt; returns
 /// how many were handed back (a row whose lease another worker took meanwhile is not).
 pub async fn hand_back(pool: &Pool, rows: &[Claimed]) -> u64 {
-    if rows.is_empty() {
-        return 0;
+    return_claims(pool, rows, Duration::ZERO, None, "hand back claimed rows").await
+}
+
+/// Longest delay before an interrupted row is claimable again: long enough for a restarting
+/// database to come back, short enough not to matter; jittered, so the rows of a whole storm do
+/// not return at one instant.
+pub const INTERRUPTED_RETRY_WITHIN: Duration = Duration::from_secs(5);
+
+/// Gives back the attempts of rows whose batch an infrastructure fault interrupted (not counted
+/// toward the attempt limit; `error` kept as `last_error`), retrying once on a fresh connection
+/// (the fault that interrupted the batch may have taken this one's first connection too); returns
+/// how many were returned. Rows not returned keep the attempt and come back when the lease expires.
+pub async fn return_interrupted(pool: &Pool, rows: &[Claimed], error: &str) -> u64 {
+    let what = "return interrupted attempts";
+    for _ in 0..2 {
+        if let Some(returned) = try_return(pool, rows, INTERRUPTED_RETRY_WITHIN, Some(error), what).await {
+            return returned;
+        }
     }
-    let Ok(mut conn) = Conn::get(pool).await else {
-        tracing::warn!(rows = rows.len(), "could not hand back claimed rows: their leases will expire");
-        return 0;
+    tracing::warn!(rows = rows.len(), "could not {what}: the attempts stay counted, the leases will expire");
+    0
+}
+
+async fn return_claims(pool: &Pool, rows: &[Claimed], delay: Duration, error: Option<&str>, what: &str) -> u64 {
+    try_return(pool, rows, delay, error, what).await.unwrap_or_else(|| {
+        tracing::warn!(rows = rows.len(), "could not {what}: their leases will expire");
+        0
+    })
+}
+
+/// One [`queue::return_claims`] on a pooled connection; None when it could not be written.
+async fn try_return(
+    pool: &Pool,
+    rows: &[Claimed],
+    delay: Duration,
+    error: Option<&str>,
+    what: &str,
+) -> Option<u64> {
+    if rows.is_empty() {
+        return Some(0);
+    }
+    let mut conn = match Conn::get(pool).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(error = %e, "no connection to {what}");
+            return None;
+        }
     };
-    match queue::hand_back(conn.client(), rows).await {
-        Ok(handed) => {
+    match queue::return_claims(conn.client(), rows, delay, error).await {
+        Ok(returned) => {
             conn.set_clean(true);
-            handed
+            Some(returned)
         }
         Err(e) => {
-            tracing::warn!(error = %describe_db_error(&e), rows = rows.len(), "could not hand back claimed rows: their leases will expire");
-            0
+            tracing::debug!(error = %describe_db_error(&e), "could not {what}");
+            None
         }
     }
 }

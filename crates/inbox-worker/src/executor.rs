@@ -35,8 +35,13 @@ pub enum Outcome {
     Ignored,
     /// Another worker processed the row meanwhile (our lease had expired): nothing done.
     AlreadyProcessed,
-    /// Rolled back; the message goes to `last_error`.
+    /// Rolled back; the message goes to `last_error`, and the attempt counts toward the limit.
     Failed(String),
+    /// Rolled back by an infrastructure fault that is not the event's doing — the connection
+    /// lost mid-transaction (a restart, a terminated backend, a network cut), a lock or resource
+    /// the batch could not get in time, the worker's own deadline: the attempt is given back
+    /// (see `completer::return_interrupted`), so an outage never parks healthy events.
+    Interrupted(String),
 }
 
 /// How the process transaction runs: its limits, and what may outlive it.
@@ -79,7 +84,8 @@ pub async fn execute(conn: &mut Conn, registry: &Registry, claimed: &Claimed, li
 /// Runs `claimed` under `limits` in one transaction; returns one outcome per claimed row, in
 /// order. Afterwards `conn` is marked clean only when its transaction ended by a COMMIT or
 /// ROLLBACK the server acknowledged; after an error outside a savepoint, a timeout or a
-/// cancellation it is discarded, never reused — and every event of the batch is `Failed`.
+/// cancellation it is discarded, never reused — and every event of the batch is `Interrupted`
+/// when the error is an infrastructure fault ([`is_infrastructure_fault`]), else `Failed`.
 pub async fn execute_batch(
     conn: &mut Conn,
     registry: &Registry,
@@ -88,6 +94,8 @@ pub async fn execute_batch(
 ) -> Vec<Outcome> {
     conn.set_clean(false);
     let all_failed = |message: String| claimed.iter().map(|_| Outcome::Failed(message.clone())).collect();
+    let all_interrupted =
+        |message: String| claimed.iter().map(|_| Outcome::Interrupted(message.clone())).collect();
     let run = async {
         match run_pipelined(conn.client(), registry, claimed, limits).await? {
             Pipelined::Done(outcomes) => Ok(outcomes),
@@ -101,15 +109,36 @@ pub async fn execute_batch(
             conn.set_clean(true);
             outcomes
         }
-        Ok(Err(e)) if e.is_closed() => all_failed(format!(
-            "the database closed the connection mid-transaction (idle in transaction over the {} ms \
-             idle_in_transaction_session_timeout, a restart, or a terminated backend): {}",
+        Ok(Err(e)) if e.is_closed() => all_interrupted(format!(
+            "interrupted, attempt not counted: the database closed the connection mid-transaction \
+             (idle in transaction over the {} ms idle_in_transaction_session_timeout, a restart, or a \
+             terminated backend): {}",
             limits.idle_timeout.as_millis(),
             describe_db_error(&e)
         )),
+        Ok(Err(e)) if is_infrastructure_fault(&e) => {
+            all_interrupted(format!("interrupted, attempt not counted: {}", describe_db_error(&e)))
+        }
         Ok(Err(e)) => all_failed(describe_db_error(&e)),
-        Err(_) => all_failed(format!("processing took longer than {:?}", limits.deadline)),
+        Err(_) => all_interrupted(format!(
+            "interrupted, attempt not counted: processing took longer than the worker's deadline of {:?}",
+            limits.deadline
+        )),
     }
+}
+
+/// Whether a batch-level error (outside any handler's savepoint) is the infrastructure's doing
+/// rather than the events': the connection or the server going away (class 08, 57P01..57P03), a
+/// lock the batch could not get within `lock_timeout` (55P03: another session holds its rows),
+/// a serialization failure or deadlock (40001, 40P01: retrying succeeds), a server out of
+/// resources (class 53). Anything else — a constraint a handler's deferred write broke at COMMIT,
+/// a statement timeout — is counted: it may be the events', and counting is what parks a poison.
+pub fn is_infrastructure_fault(e: &tokio_postgres::Error) -> bool {
+    let Some(code) = e.code() else { return e.is_closed() };
+    let code = code.code();
+    code.starts_with("08")
+        || code.starts_with("53")
+        || matches!(code, "57P01" | "57P02" | "57P03" | "55P03" | "40001" | "40P01")
 }
 
 /// What a transaction does with one claimed row.

@@ -28,6 +28,9 @@ pub enum EventOutcome {
     AlreadyProcessed,
     /// Claimed but not started before shutdown: returned to the queue with its attempt.
     HandedBack,
+    /// Its batch was interrupted by an infrastructure fault: returned to the queue with its
+    /// attempt, retried within seconds.
+    Interrupted,
 }
 
 impl EventOutcome {
@@ -40,6 +43,7 @@ impl EventOutcome {
             EventOutcome::Parked => "parked",
             EventOutcome::AlreadyProcessed => "already_processed",
             EventOutcome::HandedBack => "handed_back",
+            EventOutcome::Interrupted => "interrupted",
         }
     }
 }
@@ -70,7 +74,7 @@ impl Metrics {
         let events = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "inbox_worker_events",
-            "Events finished by this worker, by outcome (processed, ignored, failed, parked, already_processed, handed_back)",
+            "Events finished by this worker, by outcome (processed, ignored, failed, parked, already_processed, handed_back, interrupted)",
             events.clone(),
         );
         let processing_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));

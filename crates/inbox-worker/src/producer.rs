@@ -221,6 +221,23 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
             _ => None,
         })
         .collect();
+    let interrupted: Vec<Claimed> = claimed
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, outcome)| matches!(outcome, Outcome::Interrupted(_)))
+        .map(|(claimed, _)| claimed.clone())
+        .collect();
+    let returned = match outcomes.iter().find_map(|o| match o {
+        Outcome::Interrupted(error) => Some(error.as_str()),
+        _ => None,
+    }) {
+        // A whole batch is interrupted at once: one error for all its rows.
+        Some(error) => {
+            let give_back = completer::return_interrupted(&ctx.pool, &interrupted, error);
+            tokio::time::timeout(ctx.db_timeout * 2, give_back).await.unwrap_or(0)
+        }
+        None => 0,
+    };
     let mut records = if failures.is_empty() {
         Vec::new()
     } else {
@@ -264,6 +281,15 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
                 tracing::info!(
                     outcome = EventOutcome::AlreadyProcessed.as_str(),
                     "event already processed by another worker"
+                );
+            }
+            Outcome::Interrupted(error) => {
+                ctx.metrics.events(EventOutcome::Interrupted, 1);
+                tracing::warn!(
+                    outcome = EventOutcome::Interrupted.as_str(),
+                    %error,
+                    attempt_returned = returned as usize == interrupted.len(),
+                    "event interrupted by an infrastructure fault"
                 );
             }
             Outcome::Failed(error) => {

@@ -6,7 +6,7 @@
 //!
 //! * [`ingest`]: storing verified events (group commit) and waking the workers;
 //! * [`queue`]: the worker's three transactions — claim, lock and mark processed, record failures
-//!   (and hand back at shutdown);
+//!   (and give back the attempts of claims that never ran or were interrupted);
 //! * [`admin`]: what operators read and change — statistics, parked rows, requeue, replay, purge,
 //!   the audit trail — and the queue gauges.
 //!

@@ -1,6 +1,6 @@
 //! The worker's statements, one group per transaction: claim (1), lock, re-check and mark
-//! processed (2), record failures (3), and hand back claimed rows at shutdown. All are sent
-//! unnamed (see the store's "Plans").
+//! processed (2), record failures (3), and return claims whose attempt did not happen (at
+//! shutdown, and after an infrastructure fault). All are sent unnamed (see the store's "Plans").
 
 use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres::{Client, Row, Transaction};
@@ -8,14 +8,20 @@ use tokio_postgres::{Client, Row, Transaction};
 use super::{key_columns, truncate_error, InboxKey};
 use crate::inbox::event::InboxEvent;
 
-/// A row a worker claimed: its key, and the values the claim wrote, which identify this claim
-/// (a later claim of the same row by another worker has a higher `attempts`).
+/// A row a worker claimed: its key, and the values the claim wrote, which identify this claim:
+/// `attempts` and the lease's end `leased_until` together. Every later write of this worker —
+/// a failure, an interrupted attempt returned, a hand-back — applies only while the row still
+/// carries both: after the lease expired and another worker claimed the row, `attempts` differs;
+/// after an operator requeued it (attempts back to 0) and another claim counted the same attempt
+/// number again, `leased_until` differs.
 #[derive(Debug, Clone)]
 pub struct Claimed {
     pub key: InboxKey,
     pub event_type: String,
     /// The attempt this claim counted (1 for the first).
     pub attempts: i32,
+    /// The `available_at` this claim wrote: the end of its lease (microseconds, as stored).
+    pub leased_until: std::time::SystemTime,
     pub received_at: std::time::SystemTime,
     /// Where the claimed version of the row is (`ctid`, as text): the process transaction finds
     /// the row there by a TID scan, unless the row has moved since (see [`LOCK_BY_CTID_SQL`]).
@@ -73,7 +79,7 @@ WITH candidates AS (
       FROM picked
      WHERE w.ctid = picked.ctid AND picked.attempts < $1 AND NOT picked.unreadable
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
-              w.ctid::text AS ctid, picked.bytes::int8 AS bytes, false AS parked
+              w.ctid::text AS ctid, picked.bytes::int8 AS bytes, false AS parked, w.available_at
 ), exhausted AS (
     UPDATE webhook_inbox AS w
        SET parked_at = now(),
@@ -88,7 +94,7 @@ WITH candidates AS (
       FROM picked
      WHERE w.ctid = picked.ctid AND (picked.attempts >= $1 OR picked.unreadable)
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
-              w.ctid::text AS ctid, picked.bytes::int8 AS bytes, true AS parked
+              w.ctid::text AS ctid, picked.bytes::int8 AS bytes, true AS parked, w.available_at
 )
 SELECT * FROM claimed
 UNION ALL
@@ -129,6 +135,7 @@ pub async fn claim(
             received_at: r.get(5),
             ctid: r.get(6),
             bytes: r.get(7),
+            leased_until: r.get(9),
         };
         if r.get::<_, bool>(8) {
             claim.parked.push(row);
@@ -238,20 +245,22 @@ pub async fn mark_processed(tx: &Transaction<'_>, ctids: &[&str]) -> Result<u64,
 /// batch at once: records each error and moves the row to `now() + least(300, 2^attempts) *
 /// random()` seconds (full jitter); a row whose attempt was the last allowed (`attempts >= $6`,
 /// the worker's limit) is parked instead, for a person. Only while the row is unprocessed and
-/// still carries this worker's claim (`attempts` as the claim left it): a row another worker
-/// finished, or claimed again after this worker's lease expired, is left to that worker. Arrays
-/// `$1..$3` key, `$4` the claims' attempts, `$5` the errors. Returns the rows recorded, each with
+/// still carries this worker's claim (`attempts` and `available_at` as the claim left them, see
+/// [`Claimed`]): a row another worker finished, or claimed again after this worker's lease
+/// expired, is left to that worker. Arrays `$1..$3` key, `$4` the claims' attempts, `$5` their
+/// lease ends, `$6` the errors; `$7` the attempt limit. Returns the rows recorded, each with
 /// whether it is now parked.
 pub const RECORD_FAILURES_SQL: &str = "\
 UPDATE webhook_inbox AS w
    SET last_error = f.error,
        available_at = now() + make_interval(secs => least(300, 2 ^ w.attempts) * random()),
-       parked_at = CASE WHEN w.attempts >= $6 THEN now() END
-  FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::text[])
-       AS f(provider, endpoint, event_id, attempts, error)
+       parked_at = CASE WHEN w.attempts >= $7 THEN now() END
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::timestamptz[], $6::text[])
+       AS f(provider, endpoint, event_id, attempts, leased_until, error)
  WHERE (w.provider, w.endpoint, w.event_id) = (f.provider, f.endpoint, f.event_id)
    AND w.processed_at IS NULL
    AND w.attempts = f.attempts
+   AND w.available_at = f.leased_until
 RETURNING w.provider, w.endpoint, w.event_id, w.parked_at IS NOT NULL";
 
 /// One failed event of a batch: its claim and the error to record (truncated to
@@ -272,12 +281,14 @@ pub async fn record_failures(
 ) -> Result<Vec<(InboxKey, bool)>, tokio_postgres::Error> {
     let (providers, endpoints, ids) = key_columns(failures.iter().map(|f| &f.claimed.key));
     let attempts: Vec<i32> = failures.iter().map(|f| f.claimed.attempts).collect();
+    let leases: Vec<std::time::SystemTime> = failures.iter().map(|f| f.claimed.leased_until).collect();
     let errors: Vec<&str> = failures.iter().map(|f| truncate_error(f.error)).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 6] = [
+    let params: [(&(dyn ToSql + Sync), Type); 7] = [
         (&providers, Type::TEXT_ARRAY),
         (&endpoints, Type::TEXT_ARRAY),
         (&ids, Type::TEXT_ARRAY),
         (&attempts, Type::INT4_ARRAY),
+        (&leases, Type::TIMESTAMPTZ_ARRAY),
         (&errors, Type::TEXT_ARRAY),
         (&max_attempts, Type::INT4),
     ];
@@ -288,29 +299,50 @@ pub async fn record_failures(
         .collect())
 }
 
-/// Hands back rows this worker claimed but never started (shutdown): each claim's attempt is
-/// returned and the row is available at once. Only where the row still carries this claim
-/// (`attempts` as the claim left it, unprocessed): if the lease expired and another worker
-/// claimed it, nothing. Arrays `$1..$3` key, `$4` the claims' attempts.
-pub const HAND_BACK_SQL: &str = "\
+/// Returns claims whose attempt did not happen, uncounted: rows claimed but never started (at
+/// shutdown: available at once, `last_error` kept), and rows whose batch an infrastructure fault
+/// interrupted (the connection lost mid-transaction, a lock timeout on the batch's rows, the
+/// worker's deadline: available after up to `$5` seconds, jittered so a whole storm's rows do not
+/// come back at one instant, with `$6` as `last_error`). Each claim's attempt is given back, so an
+/// outage never walks healthy events to the attempt limit. Only where the row still carries this
+/// claim (see [`Claimed`]) and is unprocessed: a batch whose COMMIT was lost with its connection
+/// may have committed, and then there is nothing to return. Arrays `$1..$3` key, `$4` the claims'
+/// attempts, `$5` their lease ends; `$6` the longest delay in seconds, `$7` the error or NULL.
+pub const RETURN_CLAIMS_SQL: &str = "\
 UPDATE webhook_inbox AS w
-   SET attempts = w.attempts - 1, available_at = now()
-  FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[]) AS c(provider, endpoint, event_id, attempts)
+   SET attempts = w.attempts - 1,
+       available_at = now() + make_interval(secs => $6 * random()),
+       last_error = COALESCE($7, w.last_error)
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::timestamptz[])
+       AS c(provider, endpoint, event_id, attempts, leased_until)
  WHERE (w.provider, w.endpoint, w.event_id) = (c.provider, c.endpoint, c.event_id)
    AND w.processed_at IS NULL
-   AND w.attempts = c.attempts";
+   AND w.attempts = c.attempts
+   AND w.available_at = c.leased_until";
 
-/// Runs [`HAND_BACK_SQL`]; returns how many rows were handed back.
-pub async fn hand_back(client: &Client, claimed: &[Claimed]) -> Result<u64, tokio_postgres::Error> {
+/// Runs [`RETURN_CLAIMS_SQL`]: gives `claimed` their attempts back, available within `delay`
+/// (zero: now), with `error` as `last_error` when given; returns how many rows were returned.
+pub async fn return_claims(
+    client: &Client,
+    claimed: &[Claimed],
+    delay: std::time::Duration,
+    error: Option<&str>,
+) -> Result<u64, tokio_postgres::Error> {
     let (providers, endpoints, ids) = key_columns(claimed.iter().map(|c| &c.key));
     let attempts: Vec<i32> = claimed.iter().map(|c| c.attempts).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+    let leases: Vec<std::time::SystemTime> = claimed.iter().map(|c| c.leased_until).collect();
+    let delay = delay.as_secs_f64();
+    let error = error.map(truncate_error);
+    let params: [(&(dyn ToSql + Sync), Type); 7] = [
         (&providers, Type::TEXT_ARRAY),
         (&endpoints, Type::TEXT_ARRAY),
         (&ids, Type::TEXT_ARRAY),
         (&attempts, Type::INT4_ARRAY),
+        (&leases, Type::TIMESTAMPTZ_ARRAY),
+        (&delay, Type::FLOAT8),
+        (&error, Type::TEXT),
     ];
-    client.execute_typed(HAND_BACK_SQL, &params).await
+    client.execute_typed(RETURN_CLAIMS_SQL, &params).await
 }
 
 /// What workers LISTEN on; the ingest sends [`super::ingest::NOTIFY_SQL`].
