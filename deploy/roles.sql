@@ -71,6 +71,8 @@ GRANT SELECT, UPDATE ON webhook_inbox TO inbox_worker;
 GRANT SELECT, INSERT, UPDATE ON invoices TO inbox_worker;
 GRANT SELECT, INSERT ON ledger_entries, reconciliation_items TO inbox_worker;
 GRANT INSERT ON outbox TO inbox_worker;
+-- The queue gauges one worker per interval counts and every worker reads (V7).
+GRANT SELECT, UPDATE ON queue_gauges TO inbox_worker;
 
 -- inbox_operator: reads and requeues (UPDATE), purges (DELETE), replays (the handlers' tables, and
 -- the processed mark). Audit rows: insert only, and only the columns an operator declares; the
@@ -87,3 +89,4 @@ GRANT SELECT (id) ON operator_audit TO inbox_operator;
 GRANT SELECT (provider, endpoint, event_id, event_type, received_at, available_at, attempts,
               processed_at, parked_at, payload_bytes, held, secret_position, secret_fingerprint,
               signature_t) ON webhook_inbox TO inbox_metrics;
+GRANT SELECT ON queue_gauges TO inbox_metrics;

@@ -17,5 +17,6 @@ mod pgbouncer;
 mod roles;
 mod stripe_shapes;
 mod tls;
+mod worker_health;
 mod worker_process;
 mod worker_semantics;

@@ -1,9 +1,9 @@
 //! Prometheus metrics of the worker, on an explicit registry, served on `--metrics-listen`.
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix_web::{web, App, HttpResponse, HttpServer};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -53,6 +53,57 @@ struct OutcomeLabel {
     outcome: &'static str,
 }
 
+/// The processing runtime's pulse, for `/healthz`: the metrics server runs on a thread of its own,
+/// so without it `/healthz` would answer 200 while a handler blocks the thread every claim, batch
+/// and timeout runs on. A task on the processing runtime beats every [`HEARTBEAT_INTERVAL`]
+/// ([`Heartbeat::run`]); `/healthz` answers 503 once no beat came for [`STALLED_AFTER`].
+#[derive(Clone)]
+pub struct Heartbeat {
+    start: Instant,
+    /// Milliseconds from `start` to the last beat.
+    last: Arc<AtomicU64>,
+}
+
+/// How often the processing runtime beats.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// No beat for this long: `/healthz` says stalled. Well above the longest a healthy runtime goes
+/// without polling a task (a claim or a batch awaits the database; it does not hold the thread).
+pub const STALLED_AFTER: Duration = Duration::from_secs(10);
+
+impl Heartbeat {
+    pub fn new() -> Self {
+        Heartbeat { start: Instant::now(), last: Arc::new(AtomicU64::new(0)) }
+    }
+
+    pub fn beat(&self) {
+        self.last.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Time since the last beat.
+    pub fn silence(&self) -> Duration {
+        let last = Duration::from_millis(self.last.load(Ordering::Relaxed));
+        self.start.elapsed().saturating_sub(last)
+    }
+
+    /// Beats every [`HEARTBEAT_INTERVAL`] until `stop`; spawn it on the processing runtime.
+    pub async fn run(self, stop: tokio_util::sync::CancellationToken) {
+        loop {
+            self.beat();
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(HEARTBEAT_INTERVAL) => {}
+            }
+        }
+    }
+}
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Handles to every worker metric; cloning shares the series.
 #[derive(Clone)]
 pub struct Metrics {
@@ -66,6 +117,8 @@ pub struct Metrics {
     pub ready: Gauge,
     pub needs_review: Gauge,
     pub oldest_unprocessed_age_seconds: Gauge<f64, AtomicU64>,
+    /// What `/healthz` reports.
+    pub heartbeat: Heartbeat,
 }
 
 impl Metrics {
@@ -132,6 +185,7 @@ impl Metrics {
             ready,
             needs_review,
             oldest_unprocessed_age_seconds,
+            heartbeat: Heartbeat::new(),
         }
     }
 
@@ -152,6 +206,7 @@ impl Default for Metrics {
 }
 
 /// Serves `GET /metrics` and `GET /healthz` on `address` until the returned handle stops it.
+/// `/healthz` is 200 while the processing runtime beats, 503 once it stalled (see [`Heartbeat`]).
 pub fn serve(
     address: SocketAddr,
     metrics: Metrics,
@@ -160,6 +215,7 @@ pub fn serve(
     let bound = listener.local_addr()?;
     let server = HttpServer::new(move || {
         let metrics = metrics.clone();
+        let heartbeat = metrics.heartbeat.clone();
         App::new()
             .route(
                 "/metrics",
@@ -174,7 +230,22 @@ pub fn serve(
             )
             .route(
                 "/healthz",
-                web::get().to(|| async { HttpResponse::Ok().json(serde_json::json!({"status":"ok"})) }),
+                web::get().to(move || {
+                    let silence = heartbeat.silence();
+                    async move {
+                        if silence < STALLED_AFTER {
+                            HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
+                        } else {
+                            HttpResponse::ServiceUnavailable().json(serde_json::json!({
+                                "status": "stalled",
+                                "error": format!(
+                                    "the processing runtime has not run for {} s (a handler blocking its thread?)",
+                                    silence.as_secs()
+                                ),
+                            }))
+                        }
+                    }
+                }),
             )
     })
     .workers(1)

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use inbox_domain::db::{
-    build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions, Pooler,
+    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions,
+    Pooler,
 };
 use inbox_domain::handler::Registry;
-use inbox_domain::inbox::store::admin;
+use inbox_domain::inbox::store::gauges;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -160,7 +161,8 @@ where
     };
     let background = CancellationToken::new();
     if metrics_server.is_some() {
-        tokio::spawn(refresh_gauges(pool.clone(), metrics.clone(), background.clone()));
+        tokio::spawn(metrics.heartbeat.clone().run(background.clone()));
+        tokio::spawn(refresh_gauges(pool.clone(), settings.database.clone(), metrics.clone(), background.clone()));
     }
     let wake = Arc::new(Notify::new());
     if settings.database.pooler == Pooler::Transaction {
@@ -222,21 +224,37 @@ where
     Ok(())
 }
 
-async fn refresh_gauges(pool: deadpool_postgres::Pool, metrics: Metrics, stop: CancellationToken) {
+/// Refreshes the queue gauges every [`metrics::GAUGE_INTERVAL`]: counted by one worker per
+/// interval, read by the others (`store::gauges`). A refresh that outlives the interval is
+/// abandoned — its connection cancelled and discarded, not returned to the pool still running.
+async fn refresh_gauges(
+    pool: deadpool_postgres::Pool,
+    database: DatabaseConfig,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
     loop {
-        let refresh = async {
-            let client = pool.get().await.map_err(|e| describe_pool_error(&e))?;
-            admin::queue_gauges(&**client).await.map_err(|e| describe_db_error(&e))
-        };
-        match tokio::time::timeout(metrics::GAUGE_INTERVAL, refresh).await {
-            Ok(Ok(g)) => {
-                metrics.unprocessed.set(g.unprocessed);
-                metrics.ready.set(g.ready);
-                metrics.needs_review.set(g.needs_review);
-                metrics.oldest_unprocessed_age_seconds.set(g.oldest_unprocessed_age_seconds);
+        match pool.get().await {
+            Err(e) => tracing::debug!(error = %describe_pool_error(&e), "refreshing queue gauges: no connection"),
+            Ok(mut client) => {
+                let refresh = gauges::refresh(&mut client, metrics::GAUGE_INTERVAL);
+                match tokio::time::timeout(metrics::GAUGE_INTERVAL, refresh).await {
+                    Ok(Ok((g, _counted))) => {
+                        metrics.unprocessed.set(g.unprocessed);
+                        metrics.ready.set(g.ready);
+                        metrics.needs_review.set(g.needs_review);
+                        metrics.oldest_unprocessed_age_seconds.set(g.oldest_unprocessed_age_seconds);
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %describe_db_error(&e), "refreshing queue gauges failed");
+                        drop(deadpool_postgres::Object::take(client));
+                    }
+                    Err(_) => {
+                        tracing::debug!("refreshing queue gauges timed out: cancelled");
+                        abandon(client, &database);
+                    }
+                }
             }
-            Ok(Err(e)) => tracing::debug!(error = %e, "refreshing queue gauges failed"),
-            Err(_) => tracing::debug!("refreshing queue gauges timed out"),
         }
         tokio::select! {
             _ = stop.cancelled() => return,

@@ -177,6 +177,20 @@ pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Resu
         .context("building the connection pool")
 }
 
+/// Gives up on a pooled connection whose statement outlived its caller's deadline: takes it out
+/// of the pool (it is never handed to the next user with a query still running) and asks the
+/// server to cancel what it runs (a dropped query future cancels nothing by itself).
+pub fn abandon(client: deadpool_postgres::Object, database: &DatabaseConfig) {
+    let token = client.cancel_token();
+    let tls = database.connector();
+    drop(deadpool_postgres::Object::take(client));
+    tokio::spawn(async move {
+        if let Err(e) = token.cancel_query(tls).await {
+            tracing::debug!(error = %describe_db_error(&e), "cancel request failed");
+        }
+    });
+}
+
 /// Opens one connection and runs a trivial query: the start-up check that the database is there.
 pub async fn check_reachable(pool: &Pool) -> anyhow::Result<()> {
     let client = pool

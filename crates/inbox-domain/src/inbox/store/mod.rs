@@ -8,7 +8,8 @@
 //! * [`queue`]: the worker's three transactions — claim, lock and mark processed, record failures
 //!   (and give back the attempts of claims that never ran or were interrupted);
 //! * [`admin`]: what operators read and change — statistics, parked rows, requeue, replay, purge,
-//!   the audit trail — and the queue gauges.
+//!   the audit trail — and the queue gauges' count;
+//! * [`gauges`]: who counts the queue gauges (one worker per interval) and how the others read them.
 //!
 //! # The states of a row
 //! Every unprocessed row is in exactly one of these:
@@ -68,6 +69,7 @@ macro_rules! parked {
 }
 
 pub mod admin;
+pub mod gauges;
 pub mod ingest;
 pub mod queue;
 
