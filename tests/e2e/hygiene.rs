@@ -200,13 +200,31 @@ async fn idle_in_transaction_timeout_cuts_a_stalled_event_and_is_recorded() {
     let row = claim(&pool, 1, Duration::from_secs(30), 10).await.remove(0);
     let limits = Limits { idle_timeout: Duration::from_millis(500), ..test_limits(Duration::from_secs(5)) };
     let outcome = execute(&pool, &registry, &row, &limits).await;
-    assert!(matches!(&outcome, Outcome::Failed(_)), "{outcome:?}");
+    // From the worker, a session the server cut off looks like any lost connection: interrupted.
+    assert!(matches!(&outcome, Outcome::Interrupted(_)), "{outcome:?}");
     let last_error: String =
         client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
     assert!(last_error.contains("idle_in_transaction_session_timeout"), "{last_error}");
     assert_eq!(
-        scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL AND attempts = 1")
-            .await,
-        1
+        scalar(
+            &client,
+            "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL AND attempts = 0 AND interruptions = 1"
+        )
+        .await,
+        1,
+        "the attempt is given back, the interruption counted apart"
     );
+
+    // But a handler that stalls every time must still park one day: once the row has been
+    // interrupted as many times in a row as the attempt limit (10 here), its attempts count.
+    client.batch_execute("UPDATE webhook_inbox SET interruptions = 10, available_at = now()").await.unwrap();
+    let row = claim(&pool, 1, Duration::from_secs(30), 10).await.remove(0);
+    let outcome = execute(&pool, &registry, &row, &limits).await;
+    assert!(matches!(&outcome, Outcome::Interrupted(_)), "{outcome:?}");
+    let (attempts, last_error): (i32, String) = {
+        let r = client.query_one("SELECT attempts, last_error FROM webhook_inbox", &[]).await.unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(attempts, 1, "counted: {last_error}");
+    assert!(last_error.contains("11 times in a row"), "{last_error}");
 }

@@ -14,6 +14,7 @@ mod metric_names;
 mod migrate;
 mod operator;
 mod pgbouncer;
+mod regressions;
 mod roles;
 mod stripe_shapes;
 mod tls;

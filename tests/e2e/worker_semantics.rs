@@ -902,12 +902,12 @@ async fn a_stale_claim_cannot_write_over_a_newer_claim_with_the_same_attempt_num
     let failure = Failure { claimed: &stale[0], error: "stale worker's error" };
     let recorded = inbox_worker::completer::record_failures(&pool, None, &[failure], 10).await;
     assert_eq!(recorded, [FailureRecord::Superseded]);
-    assert_eq!(inbox_worker::completer::return_interrupted(&pool, &stale, "stale interruption").await, 0);
+    assert_eq!(inbox_worker::completer::return_interrupted(&pool, &stale, "stale interruption", 10).await, 0);
     assert_eq!(inbox_worker::completer::hand_back(&pool, &stale).await, 0);
     assert_eq!(lease_of(&client).await, before, "the fresh claim's lease, error and attempt are untouched");
 
     // The fresh claim's own writes still land.
-    assert_eq!(inbox_worker::completer::return_interrupted(&pool, &fresh, "connection lost").await, 1);
+    assert_eq!(inbox_worker::completer::return_interrupted(&pool, &fresh, "connection lost", 10).await, 1);
     let (_, error, attempts) = lease_of(&client).await;
     assert_eq!((error.as_deref(), attempts), (Some("connection lost"), 0), "attempt given back, error kept");
 }

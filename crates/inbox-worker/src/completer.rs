@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use inbox_domain::db::describe_db_error;
-use inbox_domain::inbox::store::queue::{self, Claimed, Failure};
+use inbox_domain::inbox::store::queue::{self, Claimed, Failure, Return};
 
 use crate::conn::Conn;
 
@@ -71,7 +71,10 @@ pub async fn record_failures(
 /// Hands back rows claimed but never started (at shutdown), returning their attempt; returns
 /// how many were handed back (a row whose lease another worker took meanwhile is not).
 pub async fn hand_back(pool: &Pool, rows: &[Claimed]) -> u64 {
-    return_claims(pool, rows, Duration::ZERO, None, "hand back claimed rows").await
+    try_return(pool, rows, Return::Unstarted, "hand back claimed rows").await.unwrap_or_else(|| {
+        tracing::warn!(rows = rows.len(), "could not hand back claimed rows: their leases will expire");
+        0
+    })
 }
 
 /// Longest delay before an interrupted row is claimable again: long enough for a restarting
@@ -80,13 +83,15 @@ pub async fn hand_back(pool: &Pool, rows: &[Claimed]) -> u64 {
 pub const INTERRUPTED_RETRY_WITHIN: Duration = Duration::from_secs(5);
 
 /// Gives back the attempts of rows whose batch an infrastructure fault interrupted (not counted
-/// toward the attempt limit; `error` kept as `last_error`), retrying once on a fresh connection
-/// (the fault that interrupted the batch may have taken this one's first connection too); returns
-/// how many were returned. Rows not returned keep the attempt and come back when the lease expires.
-pub async fn return_interrupted(pool: &Pool, rows: &[Claimed], error: &str) -> u64 {
+/// toward the attempt limit until a row has been interrupted `max_attempts` times in a row;
+/// `error` kept as `last_error`), retrying once on a fresh connection (the fault that interrupted
+/// the batch may have taken this one's first connection too); returns how many were returned.
+/// Rows not returned keep the attempt and come back when the lease expires.
+pub async fn return_interrupted(pool: &Pool, rows: &[Claimed], error: &str, max_attempts: i32) -> u64 {
     let what = "return interrupted attempts";
+    let why = Return::Interrupted { within: INTERRUPTED_RETRY_WITHIN, error, limit: max_attempts };
     for _ in 0..2 {
-        if let Some(returned) = try_return(pool, rows, INTERRUPTED_RETRY_WITHIN, Some(error), what).await {
+        if let Some(returned) = try_return(pool, rows, why, what).await {
             return returned;
         }
     }
@@ -94,21 +99,8 @@ pub async fn return_interrupted(pool: &Pool, rows: &[Claimed], error: &str) -> u
     0
 }
 
-async fn return_claims(pool: &Pool, rows: &[Claimed], delay: Duration, error: Option<&str>, what: &str) -> u64 {
-    try_return(pool, rows, delay, error, what).await.unwrap_or_else(|| {
-        tracing::warn!(rows = rows.len(), "could not {what}: their leases will expire");
-        0
-    })
-}
-
 /// One [`queue::return_claims`] on a pooled connection; None when it could not be written.
-async fn try_return(
-    pool: &Pool,
-    rows: &[Claimed],
-    delay: Duration,
-    error: Option<&str>,
-    what: &str,
-) -> Option<u64> {
+async fn try_return(pool: &Pool, rows: &[Claimed], why: Return<'_>, what: &str) -> Option<u64> {
     if rows.is_empty() {
         return Some(0);
     }
@@ -119,7 +111,7 @@ async fn try_return(
             return None;
         }
     };
-    match queue::return_claims(conn.client(), rows, delay, error).await {
+    match queue::return_claims(conn.client(), rows, why).await {
         Ok(returned) => {
             conn.set_clean(true);
             Some(returned)

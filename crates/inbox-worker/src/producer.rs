@@ -233,7 +233,7 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
     }) {
         // A whole batch is interrupted at once: one error for all its rows.
         Some(error) => {
-            let give_back = completer::return_interrupted(&ctx.pool, &interrupted, error);
+            let give_back = completer::return_interrupted(&ctx.pool, &interrupted, error, ctx.max_attempts);
             tokio::time::timeout(ctx.db_timeout * 2, give_back).await.unwrap_or(0)
         }
         None => 0,

@@ -101,7 +101,8 @@ pub async fn claim(
     .claimed
 }
 
-/// Executes one claimed row and, on failure, records it (as the worker does).
+/// Executes one claimed row and, on failure, records it — or, when an infrastructure fault
+/// interrupted it, gives its attempt back (as the worker does; attempt limit 10).
 pub async fn execute(
     pool: &deadpool_postgres::Pool,
     registry: &Registry,
@@ -110,8 +111,15 @@ pub async fn execute(
 ) -> Outcome {
     let mut conn = Conn::get(pool).await.unwrap();
     let outcome = executor::execute(&mut conn, registry, claimed, limits).await;
-    if let Outcome::Failed(error) = &outcome {
-        inbox_worker::completer::record_failures(pool, Some(conn), &[Failure { claimed, error }], 10).await;
+    match &outcome {
+        Outcome::Failed(error) => {
+            inbox_worker::completer::record_failures(pool, Some(conn), &[Failure { claimed, error }], 10)
+                .await;
+        }
+        Outcome::Interrupted(error) => {
+            inbox_worker::completer::return_interrupted(pool, std::slice::from_ref(claimed), error, 10).await;
+        }
+        _ => {}
     }
     outcome
 }

@@ -249,10 +249,12 @@ pub async fn mark_processed(tx: &Transaction<'_>, ctids: &[&str]) -> Result<u64,
 /// [`Claimed`]): a row another worker finished, or claimed again after this worker's lease
 /// expired, is left to that worker. Arrays `$1..$3` key, `$4` the claims' attempts, `$5` their
 /// lease ends, `$6` the errors; `$7` the attempt limit. Returns the rows recorded, each with
-/// whether it is now parked.
+/// whether it is now parked. A counted failure ends a run of interruptions (see
+/// [`RETURN_CLAIMS_SQL`]).
 pub const RECORD_FAILURES_SQL: &str = "\
 UPDATE webhook_inbox AS w
    SET last_error = f.error,
+       interruptions = 0,
        available_at = now() + make_interval(secs => least(300, 2 ^ w.attempts) * random()),
        parked_at = CASE WHEN w.attempts >= $7 THEN now() END
   FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::timestamptz[], $6::text[])
@@ -299,20 +301,27 @@ pub async fn record_failures(
         .collect())
 }
 
-/// Returns claims whose attempt did not happen, uncounted: rows claimed but never started (at
-/// shutdown: available at once, `last_error` kept), and rows whose batch an infrastructure fault
-/// interrupted (the connection lost mid-transaction, a lock timeout on the batch's rows, the
-/// worker's deadline: available after up to `$5` seconds, jittered so a whole storm's rows do not
-/// come back at one instant, with `$6` as `last_error`). Each claim's attempt is given back, so an
-/// outage never walks healthy events to the attempt limit. Only where the row still carries this
-/// claim (see [`Claimed`]) and is unprocessed: a batch whose COMMIT was lost with its connection
-/// may have committed, and then there is nothing to return. Arrays `$1..$3` key, `$4` the claims'
-/// attempts, `$5` their lease ends; `$6` the longest delay in seconds, `$7` the error or NULL.
+/// Returns claims whose attempt did not happen: rows claimed but never started (at shutdown:
+/// available at once, `last_error` kept, `$8` false), and rows whose batch an infrastructure fault
+/// interrupted (`$8` true: the connection lost mid-transaction, a lock timeout on the batch's rows;
+/// available after up to `$6` seconds, jittered so a whole storm's rows do not come back at one
+/// instant, with `$7` as `last_error`). The attempt is given back, so an outage never walks healthy
+/// events to the attempt limit — except past `$9` interruptions in a row (`interruptions`, V8):
+/// a handler that stalls until the server cuts its session off looks like an outage, and must
+/// still park one day, so from then on its interrupted attempts count. Only where the row still
+/// carries this claim (see [`Claimed`]) and is unprocessed: a batch whose COMMIT was lost with its
+/// connection may have committed, and then there is nothing to return. Arrays `$1..$3` key, `$4`
+/// the claims' attempts, `$5` their lease ends.
 pub const RETURN_CLAIMS_SQL: &str = "\
 UPDATE webhook_inbox AS w
-   SET attempts = w.attempts - 1,
+   SET attempts = w.attempts - CASE WHEN $8 AND w.interruptions >= $9 THEN 0 ELSE 1 END,
+       interruptions = w.interruptions + CASE WHEN $8 THEN 1 ELSE 0 END,
        available_at = now() + make_interval(secs => $6 * random()),
-       last_error = COALESCE($7, w.last_error)
+       last_error = CASE
+           WHEN $8 AND w.interruptions >= $9 THEN
+               left($7 || ' (interrupted ' || (w.interruptions + 1) || ' times in a row: this attempt counts)', 1024)
+           ELSE COALESCE($7, w.last_error)
+       END
   FROM unnest($1::text[], $2::text[], $3::text[], $4::int4[], $5::timestamptz[])
        AS c(provider, endpoint, event_id, attempts, leased_until)
  WHERE (w.provider, w.endpoint, w.event_id) = (c.provider, c.endpoint, c.event_id)
@@ -320,20 +329,30 @@ UPDATE webhook_inbox AS w
    AND w.attempts = c.attempts
    AND w.available_at = c.leased_until";
 
-/// Runs [`RETURN_CLAIMS_SQL`]: gives `claimed` their attempts back, available within `delay`
-/// (zero: now), with `error` as `last_error` when given; returns how many rows were returned.
+/// Why claims are returned ([`return_claims`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Return<'a> {
+    /// Claimed but never started (shutdown): available now, `last_error` kept.
+    Unstarted,
+    /// Interrupted by an infrastructure fault: available within `within`, `error` recorded;
+    /// not counted while the row has had fewer than `limit` interruptions in a row.
+    Interrupted { within: std::time::Duration, error: &'a str, limit: i32 },
+}
+
+/// Runs [`RETURN_CLAIMS_SQL`] for `claimed`; returns how many rows were returned.
 pub async fn return_claims(
     client: &Client,
     claimed: &[Claimed],
-    delay: std::time::Duration,
-    error: Option<&str>,
+    why: Return<'_>,
 ) -> Result<u64, tokio_postgres::Error> {
     let (providers, endpoints, ids) = key_columns(claimed.iter().map(|c| &c.key));
     let attempts: Vec<i32> = claimed.iter().map(|c| c.attempts).collect();
     let leases: Vec<std::time::SystemTime> = claimed.iter().map(|c| c.leased_until).collect();
-    let delay = delay.as_secs_f64();
-    let error = error.map(truncate_error);
-    let params: [(&(dyn ToSql + Sync), Type); 7] = [
+    let (delay, error, interrupted, limit) = match why {
+        Return::Unstarted => (0.0, None, false, 0),
+        Return::Interrupted { within, error, limit } => (within.as_secs_f64(), Some(truncate_error(error)), true, limit),
+    };
+    let params: [(&(dyn ToSql + Sync), Type); 9] = [
         (&providers, Type::TEXT_ARRAY),
         (&endpoints, Type::TEXT_ARRAY),
         (&ids, Type::TEXT_ARRAY),
@@ -341,6 +360,8 @@ pub async fn return_claims(
         (&leases, Type::TIMESTAMPTZ_ARRAY),
         (&delay, Type::FLOAT8),
         (&error, Type::TEXT),
+        (&interrupted, Type::BOOL),
+        (&limit, Type::INT4),
     ];
     client.execute_typed(RETURN_CLAIMS_SQL, &params).await
 }

@@ -1,0 +1,12 @@
+-- stripe-inbox schema, version 8: attempts an infrastructure fault interrupted, counted apart.
+--
+-- A batch cut off by the infrastructure (its connection terminated or lost, its rows' lock not
+-- had in time) gives its attempt back, so an outage never walks healthy events to the attempt
+-- limit. But a cut-off can also be an event's own doing — a handler that stalls mid-transaction
+-- until the server's idle_in_transaction_session_timeout ends the session looks the same from the
+-- worker — and such an event must still park one day. `interruptions` counts a row's interrupted
+-- attempts in a row: up to the worker's attempt limit they are given back; past it they count.
+-- A counted failure starts the run again from 0.
+--
+-- A constant default: a catalogue change, no table rewrite (PostgreSQL 11+).
+ALTER TABLE webhook_inbox ADD COLUMN interruptions integer NOT NULL DEFAULT 0;
