@@ -41,7 +41,7 @@ CHAOS_RATE ?= 100
 CHAOS_FAULT_INTERVAL ?= 5s
 CHAOS_ARGS ?=
 .PHONY: chaos
-chaos: ## Load + faults (kill -9, pg restarts, …), then check nothing lost/doubled; target/chaos/report.json
+chaos: ## Load + faults (kill -9, pg restarts, WAL disk full, max_connections, xmin pin, …) on a cluster of its own; then check nothing lost/doubled/parked; target/chaos/report.json
 	$(CARGO) build --bins $(PRODUCT) -p inbox-chaos
 	$(WITH_DB) target/debug/chaos --duration $(CHAOS_DURATION) --rate $(CHAOS_RATE) \
 	    --fault-interval $(CHAOS_FAULT_INTERVAL) $(CHAOS_ARGS)

@@ -2,17 +2,30 @@
 //! PostgreSQL server are killed, then a check that no acknowledged event was lost and no payment
 //! booked twice.
 //!
-//! Runs against the server of `DATABASE_URL` (`scripts/with-db.sh` sets the local cluster's) in a
-//! database of its own, `inbox_chaos_<pid>`, dropped at the end unless `--keep`. Starts two
-//! `inbox-ingest` and three `inbox-worker run` from `target/debug` (or `$INBOX_BIN_DIR`), a load
-//! generator and a fault injector; after `--duration` it stops the faults, lets the senders finish
-//! their retries, waits for the queue to drain and checks the database. Prints a report and
-//! writes it to `target/chaos/report.json`; exits 0 only when nothing was lost, doubled or stuck
-//! and every fault kind was injected.
+//! Runs on a PostgreSQL cluster of its own (`--cluster own`, the default where `initdb` is
+//! installed: created in `$TMPDIR`, removed at the end), so that it may restart the server, take
+//! every connection slot and fill the disk under the WAL without touching anybody's databases;
+//! there the ingest and the workers connect as the production roles of `deploy/roles.sql`
+//! (`inbox_ingest`, `inbox_worker`), the faults as a superuser. With `--cluster url` it runs on the
+//! server of `DATABASE_URL` instead (`scripts/with-db.sh` sets the local cluster's), in a database
+//! of its own, `inbox_chaos_<pid>`, dropped at the end unless `--keep`; the faults that hit the
+//! whole server are then skipped, and restarts run only on the cluster of `scripts/pg.sh`.
+//!
+//! Starts two `inbox-ingest` and three `inbox-worker run` from `target/debug` (or
+//! `$INBOX_BIN_DIR`), a load generator and a fault injector (`faults.rs` lists the faults: process
+//! kills, terminated backends, blocked connections, restarts, an xmin pinned by a session idle in
+//! transaction, the server's connections exhausted by another client, the WAL's disk full); after
+//! `--duration` it stops the faults, lets the senders finish their retries, waits for the queue to
+//! drain and checks the database. Prints a report and writes it to `target/chaos/report.json`:
+//! besides the checks, how often each fault ran (and why one was skipped), webhook_inbox's dead
+//! tuples and size before, during and after, and what the server's log says (PANICs, refusals).
+//! Exits 0 only when nothing was lost, doubled, stuck or parked and every fault kind that can run
+//! here was injected.
 
 #![recursion_limit = "256"]
 
 mod check;
+mod cluster;
 mod faults;
 mod load;
 mod procs;
@@ -21,14 +34,15 @@ mod rng;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::faults::{Faults, Kind, KINDS};
+use crate::cluster::Cluster;
+use crate::faults::{Faults, Kind, Server, KINDS};
 use crate::load::Load;
 use crate::procs::{Spec, Supervisor};
 use crate::rng::Rng;
@@ -67,21 +81,40 @@ struct Args {
     /// The workers' --max-attempts (high, so that faults do not park legitimate events).
     #[arg(long, default_value_t = 50)]
     max_attempts: u32,
-    /// Keep the chaos database (and print its URL) instead of dropping it.
+    /// Keep the chaos database (and print its URL) instead of dropping it; with `--cluster own`,
+    /// the whole cluster, until the next run.
     #[arg(long)]
     keep: bool,
+    /// Where PostgreSQL comes from: `own` (a cluster the run creates and removes: needed by
+    /// pool_exhausted and wal_disk_full), `url` (the server of DATABASE_URL), `auto` (own where
+    /// initdb and pg_ctl are installed, else url).
+    #[arg(long, value_enum, default_value_t = ClusterMode::Auto)]
+    cluster: ClusterMode,
+    /// How long the xmin_pinned fault holds its snapshot [default: min(60 s, duration / 3)].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    xmin_pin: Option<Duration>,
     /// Where report.json and logs/ go [default: <repo>/target/chaos].
     #[arg(long)]
     out_dir: Option<PathBuf>,
     /// Self-test of the checks: after the drain, delete one acknowledged row, add a second outbox
-    /// row for one payment and un-process one row; the run must then FAIL with lost, doubled and
-    /// stuck at 1.
+    /// row for one payment, un-process one row and park another; the run must then FAIL with lost,
+    /// doubled, stuck and parked at 1.
     #[arg(long, hide = true)]
     sabotage: bool,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ClusterMode {
+    Auto,
+    Own,
+    Url,
+}
+
 const SECRET: &str = inbox_test_support::events::SECRET_A;
 const DB_PREFIX: &str = "inbox_chaos_";
+/// The role `pool_exhausted` connects as on the run's own cluster (no superuser: the reserve
+/// stays for the fault injector).
+const HOG_ROLE: &str = "chaos_hog";
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -117,14 +150,54 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     });
     let mut rng = Rng::new(seed);
 
-    let admin_url = std::env::var("DATABASE_URL")
-        .context("DATABASE_URL is not set (run `make chaos`, which starts the local PostgreSQL)")?;
-    let admin: tokio_postgres::Config =
-        admin_url.parse().context("DATABASE_URL is not a valid connection string")?;
-    let (restarts_ok, restart_note) = local_cluster(&root, &admin);
-    if !restarts_ok {
-        println!("chaos: PostgreSQL restarts skipped: {restart_note}");
-    }
+    let own = match args.cluster {
+        ClusterMode::Own => {
+            cluster::available().map_err(|e| anyhow::anyhow!("--cluster own: {e}"))?;
+            true
+        }
+        ClusterMode::Url => false,
+        ClusterMode::Auto => match cluster::available() {
+            Ok(()) => true,
+            Err(e) => {
+                println!("chaos: no cluster of our own ({e}): running on DATABASE_URL's server");
+                false
+            }
+        },
+    };
+    let (cluster, admin_url, server) = if own {
+        let port = free_port()?;
+        let dir = log_dir.clone();
+        let mut cluster = tokio::task::spawn_blocking(move || Cluster::create(port, &dir))
+            .await?
+            .context("creating the run's own PostgreSQL cluster")?;
+        cluster.keep = args.keep;
+        let cluster = Arc::new(cluster);
+        println!(
+            "chaos: PostgreSQL cluster of our own in {} on port {}; pg_wal {}",
+            cluster.dir.display(),
+            cluster.port,
+            match &cluster.wal_fs {
+                Ok(mount) => format!("on a {} MiB tmpfs at {}", cluster::WAL_FS_MIB, mount.display()),
+                Err(why) => format!("in the data directory ({why})"),
+            }
+        );
+        let url = cluster.url("postgres", "postgres");
+        (Some(cluster.clone()), url, Server::Own(cluster))
+    } else {
+        let url = std::env::var("DATABASE_URL")
+            .context("DATABASE_URL is not set (run `make chaos`, which starts the local PostgreSQL)")?;
+        let config: tokio_postgres::Config =
+            url.parse().context("DATABASE_URL is not a valid connection string")?;
+        let server = match local_cluster(&root, &config) {
+            (true, _) => Server::PgSh(root.clone()),
+            (false, note) => {
+                println!("chaos: PostgreSQL restarts skipped: {note}");
+                Server::Foreign
+            }
+        };
+        (None, url, server)
+    };
+    let admin: tokio_postgres::Config = admin_url.parse().context("the admin URL is not valid")?;
 
     // A database of our own; leftovers of killed runs go first.
     let database = format!("{DB_PREFIX}{}", std::process::id());
@@ -153,15 +226,16 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         &args,
         seed,
         &mut rng,
-        &admin,
-        &database,
-        &database_url,
-        &db_config,
+        Target {
+            admin: &admin,
+            database: &database,
+            database_url: &database_url,
+            db_config: &db_config,
+            server,
+        },
         &log_dir,
         &out_dir,
         &root,
-        restarts_ok,
-        &restart_note,
         &server_version,
     )
     .await;
@@ -170,6 +244,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let _ = faults::allow_connections(&admin, &database).await;
     if args.keep {
         println!("chaos: kept the database: {database_url}");
+    } else if let Some(cluster) = cluster {
+        // Stops and deletes the cluster (unless the run is still holding it, which it is not).
+        tokio::task::spawn_blocking(move || drop(cluster)).await?;
     } else if let Ok(client) = faults::connect(&admin).await {
         if let Err(e) =
             client.batch_execute(&format!("DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)")).await
@@ -180,33 +257,56 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     result
 }
 
+/// The database the run uses and how it reaches it.
+struct Target<'a> {
+    /// A superuser's settings, on the server's admin database.
+    admin: &'a tokio_postgres::Config,
+    database: &'a str,
+    /// A superuser's URL and settings on the chaos database.
+    database_url: &'a str,
+    db_config: &'a tokio_postgres::Config,
+    server: Server,
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn chaos(
     args: &Args,
     seed: u64,
     rng: &mut Rng,
-    admin: &tokio_postgres::Config,
-    database: &str,
-    database_url: &str,
-    db_config: &tokio_postgres::Config,
+    target: Target<'_>,
     log_dir: &Path,
     out_dir: &Path,
     root: &Path,
-    restarts_ok: bool,
-    restart_note: &str,
     server_version: &str,
 ) -> anyhow::Result<bool> {
+    let Target { admin, database, database_url, db_config, server } = target;
     // Schema, the way operators apply it.
     let mut migrate = inbox_test_support::process::command("inbox-worker");
     migrate.arg("migrate").env("DATABASE_URL", database_url);
     let (code, output) = inbox_test_support::process::run(migrate, Duration::from_secs(120));
     std::fs::write(log_dir.join("migrate.log"), &output)?;
     anyhow::ensure!(code == 0, "inbox-worker migrate failed (exit {code}):\n{output}");
+    let setup = faults::connect(db_config).await?;
+    // Exact dead-tuple counts for the report, where the extension is installed (best effort).
+    let _ = setup.batch_execute("CREATE EXTENSION IF NOT EXISTS pgstattuple").await;
+    let (ingest_url, worker_url) = if let Server::Own(cluster) = &server {
+        // The production roles, and a role for the client that exhausts the connections.
+        let roles =
+            std::fs::read_to_string(root.join("deploy/roles.sql")).context("reading deploy/roles.sql")?;
+        setup.batch_execute(&roles).await.context("applying deploy/roles.sql")?;
+        setup.batch_execute(&format!("CREATE ROLE {HOG_ROLE} LOGIN")).await?;
+        (cluster.url("inbox_ingest", database), cluster.url("inbox_worker", database))
+    } else {
+        (database_url.to_owned(), database_url.to_owned())
+    };
+    drop(setup);
+    let before = check::table_stats(db_config, true).await.context("webhook_inbox's statistics")?;
 
     let ports: Vec<u16> = (0..args.ingests).map(|_| free_port()).collect::<anyhow::Result<_>>()?;
     let supervisor = Arc::new(Supervisor::new(
         Spec {
-            database_url: database_url.to_owned(),
+            ingest_url,
+            worker_url,
             endpoints: format!("billing={SECRET}"),
             max_attempts: args.max_attempts,
             log_dir: log_dir.to_owned(),
@@ -245,22 +345,49 @@ async fn chaos(
     let _give_up = load.give_up.clone().drop_guard();
     let generating = tokio::spawn(load.clone().generate(args.rate, seed, rng.fork(), stop_load.clone()));
 
-    let faults = Arc::new(Faults {
-        admin: admin.clone(),
-        database: database.to_owned(),
-        repo_root: root.to_owned(),
-        log_dir: log_dir.to_owned(),
-        supervisor: supervisor.clone(),
-        disabled: if restarts_ok { vec![] } else { vec![Kind::PgRestartFast, Kind::PgRestartImmediate] },
-        counts: Mutex::default(),
-        backends_terminated: Mutex::default(),
-        log: Mutex::default(),
-        errors: Mutex::default(),
+    let mut disabled = Vec::new();
+    if matches!(server, Server::Foreign) {
+        let why = "not the cluster of scripts/pg.sh nor one of our own".to_owned();
+        disabled.push((Kind::PgRestartFast, why.clone()));
+        disabled.push((Kind::PgRestartImmediate, why));
+    }
+    match &server {
+        Server::Own(cluster) => {
+            if let Err(why) = &cluster.wal_fs {
+                disabled.push((Kind::WalDiskFull, why.clone()));
+            }
+        }
+        _ => {
+            let why = "hits the whole server: only on a cluster of our own (--cluster own)".to_owned();
+            disabled.push((Kind::PoolExhausted, why.clone()));
+            disabled.push((Kind::WalDiskFull, why));
+        }
+    }
+    let xmin_hold = args.xmin_pin.unwrap_or_else(|| Duration::from_secs(60).min(args.duration / 3));
+    let faults = Arc::new(Faults::new(
+        admin.clone(),
+        database.to_owned(),
+        server,
+        log_dir.to_owned(),
+        supervisor.clone(),
+        disabled,
+        xmin_hold,
+        HOG_ROLE.to_owned(),
         started,
-    });
+    ));
     let stop_faults = CancellationToken::new();
     let _stop_faults = stop_faults.clone().drop_guard();
-    let injecting = tokio::spawn(faults.clone().run(args.fault_interval, rng.fork(), stop_faults.clone()));
+    // The first round (every kind once) fits in about half the run.
+    let first_round_wait = args.duration / (2 * KINDS.len() as u32);
+    let injecting = tokio::spawn(faults.clone().run(
+        args.fault_interval,
+        first_round_wait,
+        rng.fork(),
+        stop_faults.clone(),
+    ));
+    let stop_sampling = CancellationToken::new();
+    let _stop_sampling = stop_sampling.clone().drop_guard();
+    let sampling = tokio::spawn(check::sample_peaks(db_config.clone(), stop_sampling.clone()));
 
     let interrupted = tokio::select! {
         _ = tokio::time::sleep(args.duration) => false,
@@ -303,11 +430,19 @@ async fn chaos(
         sabotage(db_config, &offered).await.context("sabotaging")?;
     }
     let verdict = check::verify(db_config, &offered).await.context("checking the database")?;
+    stop_sampling.cancel();
+    let peaks = sampling.await.unwrap_or_default();
 
     stop_supervisor.cancel();
     let _ = supervising.await;
     let sup = supervisor.clone();
     let unclean = tokio::task::spawn_blocking(move || sup.shutdown(Duration::from_secs(20))).await?;
+    // After the services are gone (their backends' statistics are flushed when they exit).
+    let after = check::table_stats(db_config, true).await.context("webhook_inbox's statistics")?;
+    let server_log = match &faults.server {
+        Server::Own(cluster) => check::ServerLog::read(cluster.server_log()),
+        _ => None,
+    };
     let exits = supervisor.exits();
     let crashes: Vec<_> = exits.iter().filter(|e| !e.startup_refused).cloned().collect();
     let refused = exits.len() - crashes.len();
@@ -317,9 +452,13 @@ async fn chaos(
     let counts: Vec<(Kind, u64)> = KINDS.iter().map(|k| (*k, faults.count(*k))).collect();
     let missing_kinds: Vec<&str> = counts
         .iter()
-        .filter(|(k, n)| *n == 0 && !faults.disabled.contains(k))
+        .filter(|(k, n)| *n == 0 && faults.skipped(*k).is_none())
         .map(|(k, _)| k.name())
         .collect();
+    let skipped: serde_json::Map<String, serde_json::Value> =
+        faults.disabled.iter().map(|(k, why)| (k.name().to_owned(), why.clone().into())).collect();
+    let pins: Vec<faults::Pin> = faults.pins.lock().unwrap().clone();
+    let fault_log: Vec<faults::Injected> = faults.log.lock().unwrap().clone();
     let unacked = load.unacknowledged();
     let duplicates_sent = s.redeliveries.load(Relaxed) + s.burst_extras.load(Relaxed);
     let passed = verdict.ok() && missing_kinds.is_empty() && crashes.is_empty() && drained;
@@ -343,7 +482,21 @@ async fn chaos(
         "workers": args.workers,
         "max_attempts": args.max_attempts,
         "postgres_version": server_version,
-        "pg_restarts": if restarts_ok { "enabled".to_owned() } else { format!("skipped: {restart_note}") },
+        "cluster": match &faults.server {
+            Server::Own(c) => serde_json::json!({
+                "mode": "own",
+                "dir": c.dir.display().to_string(),
+                "max_connections": cluster::MAX_CONNECTIONS,
+                "superuser_reserved_connections": cluster::SUPERUSER_RESERVED,
+                "pg_wal": match &c.wal_fs {
+                    Ok(m) => format!("tmpfs of {} MiB at {}", cluster::WAL_FS_MIB, m.display()),
+                    Err(why) => format!("in the data directory: {why}"),
+                },
+                "service_roles": ["inbox_ingest", "inbox_worker"],
+            }),
+            Server::PgSh(_) => serde_json::json!({ "mode": "url", "server": "the cluster of scripts/pg.sh" }),
+            Server::Foreign => serde_json::json!({ "mode": "url", "server": "DATABASE_URL's" }),
+        },
         "events_offered": s.offered.load(Relaxed),
         "acknowledged": s.acked.load(Relaxed),
         "unacknowledged": unacked,
@@ -358,6 +511,24 @@ async fn chaos(
         "duplicate_answers": s.duplicate_answers.load(Relaxed),
         "second_event_objects": s.second_objects.load(Relaxed),
         "faults": fault_obj,
+        "faults_skipped": skipped,
+        "xmin_pins": pins.iter().map(|p| serde_json::json!({
+            "at_s": round1(p.at_s), "held_s": round1(p.held_s), "sessions": p.sessions, "ended_by": p.ended_by,
+            "xmin_age_at_release": p.xmin_age_at_release,
+            "n_dead_tup_at_start": p.dead_tuples_start, "n_dead_tup_at_release": p.dead_tuples_release,
+        })).collect::<Vec<_>>(),
+        "webhook_inbox": {
+            "before": before.json(),
+            "after": after.json(),
+            "peak_during_run": {
+                "n_dead_tup": peaks.dead_tuples,
+                "total_bytes": peaks.total_bytes,
+                "oldest_xmin_age": peaks.xmin_age,
+                "samples": peaks.samples,
+            },
+            "note": "n_live_tup/n_dead_tup are pg_stat counters: approximate, and restarted from zero by each crash restart (immediate restart, WAL PANIC); pgstattuple_* are exact counts by a full scan",
+        },
+        "server_log": server_log.as_ref().map(check::ServerLog::json),
         "backends_terminated_total": *faults.backends_terminated.lock().unwrap(),
         "fault_errors": faults.errors.lock().unwrap().clone(),
         "fault_log": faults.log.lock().unwrap().iter().map(|f| serde_json::json!({
@@ -446,8 +617,42 @@ async fn chaos(
         ),
     );
     for (k, n) in &counts {
-        let note = if faults.disabled.contains(k) { " (skipped: not the local cluster)" } else { "" };
+        let note = faults.skipped(*k).map(|why| format!(" (skipped: {why})")).unwrap_or_default();
         line(&format!("fault {}", k.name()), format!("{n}{note}"));
+    }
+    for p in &pins {
+        line("  xmin_pinned", p.describe());
+    }
+    for f in fault_log.iter().filter(|f| matches!(f.kind, Kind::PoolExhausted | Kind::WalDiskFull)) {
+        line(&format!("  {} at {:.1} s", f.kind.name(), f.at_s), f.detail.clone());
+    }
+    line("webhook_inbox before", before.describe());
+    line("webhook_inbox after", after.describe());
+    line(
+        "webhook_inbox peak during the run",
+        format!(
+            "{} dead tuples, {} total; oldest xmin {} transactions old",
+            peaks.dead_tuples,
+            check::mib(peaks.total_bytes),
+            peaks.xmin_age
+        ),
+    );
+    if let Some(log) = &server_log {
+        line(
+            "server log",
+            format!(
+                "{} PANIC ({} no space left), {} crash recoveries, {} startup failures, {} times ready",
+                log.panics, log.no_space, log.crash_recoveries, log.startup_failures, log.ready
+            ),
+        );
+        line(
+            "  refused: server full (by user)",
+            serde_json::to_string(&log.full_refusals).unwrap_or_default(),
+        );
+        line(
+            "  terminated: by admin / idle in tx",
+            format!("{} / {}", log.terminated_by_admin, log.idle_in_transaction_timeouts),
+        );
     }
     line("backends terminated (total)", faults.backends_terminated.lock().unwrap().to_string());
     line(
@@ -462,7 +667,7 @@ async fn chaos(
     line("LOST", verdict.lost.to_string());
     line("DOUBLED", verdict.doubled.to_string());
     line("stuck", format!("{}{}", verdict.stuck, if drained { "" } else { " (drain timed out)" }));
-    line("parked (without reason)", format!("{} ({})", verdict.parked, verdict.parked_without_reason));
+    line("PARKED (without reason)", format!("{} ({})", verdict.parked, verdict.parked_without_reason));
     line("unbooked payments (parked)", format!("{} ({})", verdict.unbooked, verdict.unbooked_parked));
     line("wrong amount / wrong status", format!("{} / {}", verdict.wrong_amount, verdict.wrong_status));
     line(
@@ -565,7 +770,8 @@ async fn wait_for_ingests(ports: &[u16], timeout: Duration) -> anyhow::Result<()
     Ok(())
 }
 
-/// `--sabotage`: one lost event, one doubled booking, one stuck row (distinct invoices).
+/// `--sabotage`: one lost event, one doubled booking, one stuck row, one parked row (distinct
+/// invoices).
 async fn sabotage(config: &tokio_postgres::Config, offered: &[Arc<load::Offered>]) -> anyhow::Result<()> {
     let mut seen = std::collections::HashSet::new();
     let victims: Vec<_> = offered
@@ -574,9 +780,9 @@ async fn sabotage(config: &tokio_postgres::Config, offered: &[Arc<load::Offered>
             e.acked.load(Relaxed) && e.event_type == "invoice.paid" && seen.insert(e.invoice_id.clone())
         })
         .filter(|e| offered.iter().filter(|o| o.invoice_id == e.invoice_id).count() == 1)
-        .take(3)
+        .take(4)
         .collect();
-    anyhow::ensure!(victims.len() == 3, "not enough acknowledged payments to sabotage");
+    anyhow::ensure!(victims.len() == 4, "not enough acknowledged payments to sabotage");
     let client = faults::connect(config).await?;
     client.execute("DELETE FROM webhook_inbox WHERE event_id = $1", &[&victims[0].id]).await?;
     client
@@ -593,9 +799,16 @@ async fn sabotage(config: &tokio_postgres::Config, offered: &[Arc<load::Offered>
             &[&victims[2].id],
         )
         .await?;
+    client
+        .execute(
+            "UPDATE webhook_inbox SET processed_at = NULL, parked_at = now(), last_error = 'chaos --sabotage'
+              WHERE event_id = $1",
+            &[&victims[3].id],
+        )
+        .await?;
     println!(
-        "chaos: SABOTAGE: deleted {}, doubled the outbox row of {}, un-processed {}: expect FAIL with lost 1, doubled 1, stuck 1",
-        victims[0].id, victims[1].invoice_id, victims[2].id
+        "chaos: SABOTAGE: deleted {}, doubled the outbox row of {}, un-processed {}, parked {}: expect FAIL with lost 1, doubled 1, stuck 1, parked 1",
+        victims[0].id, victims[1].invoice_id, victims[2].id, victims[3].id
     );
     Ok(())
 }

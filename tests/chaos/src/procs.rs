@@ -29,7 +29,9 @@ impl Role {
 /// How the service processes are started.
 #[derive(Debug, Clone)]
 pub struct Spec {
-    pub database_url: String,
+    /// The ingest's and the workers' `DATABASE_URL` (each its own role on the run's own cluster).
+    pub ingest_url: String,
+    pub worker_url: String,
     pub endpoints: String,
     pub max_attempts: u32,
     pub log_dir: PathBuf,
@@ -171,7 +173,8 @@ impl Supervisor {
                 let mut cmd = inbox_test_support::process::command("inbox-ingest");
                 cmd.env("INBOX_LISTEN", format!("127.0.0.1:{}", slot.port))
                     .env("INBOX_ENDPOINTS", &self.spec.endpoints)
-                    .env("INBOX_DB_TIMEOUT", "2s");
+                    .env("INBOX_DB_TIMEOUT", "2s")
+                    .env("DATABASE_URL", &self.spec.ingest_url);
                 cmd
             }
             Role::Worker => {
@@ -190,12 +193,12 @@ impl Supervisor {
                     "5s",
                     "--max-attempts",
                 ])
-                .arg(self.spec.max_attempts.to_string());
+                .arg(self.spec.max_attempts.to_string())
+                .env("DATABASE_URL", &self.spec.worker_url);
                 cmd
             }
         };
-        cmd.env("DATABASE_URL", &self.spec.database_url)
-            .env("LOG_FORMAT", "json")
+        cmd.env("LOG_FORMAT", "json")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
