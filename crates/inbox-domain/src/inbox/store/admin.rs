@@ -408,23 +408,94 @@ pub async fn payload_matches(
 
 // ---------------------------------------------------------------------------------- requeue
 
-/// The parked rows `requeue --all` takes, locked, oldest first (a stable lock order, so two
-/// concurrent requeues cannot deadlock): `$1` provider, `$2` event type or NULL, `$3` a pattern
-/// `last_error` must contain (LIKE-escaped by the caller) or NULL. Rows the ingest held on
-/// arrival are not taken: each needs a person's decision (see [`HELD_COUNT_SQL`]).
+/// The rows `requeue --all` is about, after `WHERE`: parked rows of `$1` (provider), of event type
+/// `$2` (or any, when NULL), whose `last_error` contains `$3` (a pattern LIKE-escaped by the
+/// caller; any, when NULL). Shared by [`COUNT_PARKED_SQL`] and [`LOCK_PARKED_SQL`], so that the
+/// batches take what the count counted.
+macro_rules! parked_filters {
+    () => {
+        concat!(
+            "provider = $1 AND ",
+            parked!(),
+            "
+   AND ($2::text IS NULL OR event_type = $2)
+   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')"
+        )
+    };
+}
+
+/// What `requeue --all` is about to do, before it locks or changes anything: `takes`, the parked
+/// rows with the filters of `parked_filters!` that it requeues (not held on arrival); `held`, how
+/// many more match but were held on arrival by the ingest, which it leaves (each needs a person's
+/// decision, and `requeue` says how many it left); `as_of`, the time of the count: the batches
+/// take only rows parked by then, so that a row parked while the command runs waits for the next
+/// requeue instead of joining a run the operator confirmed for `takes` rows. Reads the partial
+/// index `webhook_inbox_parked`, without locks.
+pub const COUNT_PARKED_SQL: &str = concat!(
+    "\
+SELECT count(*) FILTER (WHERE held IS NULL) AS takes,
+       count(*) FILTER (WHERE held IS NOT NULL) AS held,
+       now() AS as_of
+  FROM webhook_inbox
+ WHERE ",
+    parked_filters!()
+);
+
+/// What [`COUNT_PARKED_SQL`] found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ParkedCount {
+    /// Parked rows `requeue --all` takes (not held on arrival).
+    pub takes: i64,
+    /// Parked rows with the same filters that the ingest held on arrival: left as they are.
+    pub held: i64,
+    /// When the count was made (the database's clock).
+    pub as_of: SystemTime,
+}
+
+/// Runs [`COUNT_PARKED_SQL`].
+pub async fn count_parked(
+    client: &(impl GenericClient + Sync),
+    event_type: Option<&str>,
+    error_pattern: Option<&str>,
+) -> Result<ParkedCount, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&PROVIDER_STRIPE, Type::TEXT), (&event_type, Type::TEXT), (&error_pattern, Type::TEXT)];
+    let row = client.query_typed_one(COUNT_PARKED_SQL, &params).await?;
+    Ok(ParkedCount { takes: row.get("takes"), held: row.get("held"), as_of: row.get("as_of") })
+}
+
+/// One batch of `requeue --all` (`--dry-run` lists the same rows without `FOR UPDATE`, see
+/// [`lock_parked`]): up to `$8` parked rows with the filters of `parked_filters!`, not held on
+/// arrival, parked by `$4` (the count's `as_of`), oldest first — `(received_at, endpoint,
+/// event_id)` after `($5, $6, $7)`, the key of the previous batch's last row (NULLs: from the
+/// start). `FOR UPDATE SKIP LOCKED`: a row another session holds (a requeue or a replay of that
+/// event) is left as it is, never waited for, and two concurrent requeues never wait on each other.
+/// The key continues the index scan of `webhook_inbox_parked` where the previous batch ended, so
+/// a batch does not step again over the index entries of the rows requeued before it (they stay
+/// in the index, pointing to dead row versions, until vacuum); `received_at >= $5` is that key's
+/// index condition, the row comparison breaks its ties.
 pub const LOCK_PARKED_SQL: &str = concat!(
     "\
-SELECT endpoint, event_id, event_type, attempts
+SELECT endpoint, event_id, event_type, attempts, received_at
   FROM webhook_inbox
- WHERE provider = $1 AND ",
-    parked!(),
+ WHERE ",
+    parked_filters!(),
     "
    AND held IS NULL
-   AND ($2::text IS NULL OR event_type = $2)
-   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')
+   AND parked_at <= $4
+   AND received_at >= COALESCE($5, '-infinity')
+   AND (received_at, endpoint, event_id) > (COALESCE($5, '-infinity'), COALESCE($6, ''), COALESCE($7, ''))
  ORDER BY received_at, endpoint, event_id
-   FOR UPDATE"
+ LIMIT $8
+   FOR UPDATE SKIP LOCKED"
 );
+
+/// [`LOCK_PARKED_SQL`] without its last line: what a dry run lists, locking nothing.
+pub fn list_parked_sql() -> &'static str {
+    LOCK_PARKED_SQL
+        .strip_suffix("\n   FOR UPDATE SKIP LOCKED")
+        .expect("LOCK_PARKED_SQL ends with its lock clause")
+}
 
 /// A row `requeue` takes: `attempts` is the count before the requeue.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -435,41 +506,49 @@ pub struct RequeueRow {
     pub attempts: i32,
 }
 
-/// How many parked rows with the filters of [`LOCK_PARKED_SQL`] the ingest held on arrival, which
-/// `requeue --all` leaves: `requeue` tells the operator so.
-pub const HELD_COUNT_SQL: &str = concat!(
-    "\
-SELECT count(*)
-  FROM webhook_inbox
- WHERE provider = $1 AND ",
-    parked!(),
-    "
-   AND held IS NOT NULL
-   AND ($2::text IS NULL OR event_type = $2)
-   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')"
-);
+/// Where a batch of [`LOCK_PARKED_SQL`] ended: its last row's `(received_at, endpoint,
+/// event_id)`, from which the next batch continues.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParkedKey {
+    pub received_at: SystemTime,
+    pub endpoint: String,
+    pub event_id: String,
+}
 
-/// Runs [`HELD_COUNT_SQL`].
-pub async fn held_count(
+/// Runs [`LOCK_PARKED_SQL`] (with `lock`; else the same rows unlocked, for a dry run): up to
+/// `limit` rows after `after`, and the key the next batch starts after (None when there was no
+/// row).
+pub async fn lock_parked(
     client: &(impl GenericClient + Sync),
     event_type: Option<&str>,
     error_pattern: Option<&str>,
-) -> Result<i64, tokio_postgres::Error> {
-    let params: [(&(dyn ToSql + Sync), Type); 3] =
-        [(&PROVIDER_STRIPE, Type::TEXT), (&event_type, Type::TEXT), (&error_pattern, Type::TEXT)];
-    Ok(client.query_typed_one(HELD_COUNT_SQL, &params).await?.get(0))
-}
-
-/// Runs [`LOCK_PARKED_SQL`].
-pub async fn lock_parked(
-    tx: &(impl GenericClient + Sync),
-    event_type: Option<&str>,
-    error_pattern: Option<&str>,
-) -> Result<Vec<RequeueRow>, tokio_postgres::Error> {
-    let params: [(&(dyn ToSql + Sync), Type); 3] =
-        [(&PROVIDER_STRIPE, Type::TEXT), (&event_type, Type::TEXT), (&error_pattern, Type::TEXT)];
-    let rows = tx.query_typed(LOCK_PARKED_SQL, &params).await?;
-    Ok(rows
+    as_of: SystemTime,
+    after: Option<&ParkedKey>,
+    limit: i64,
+    lock: bool,
+) -> Result<(Vec<RequeueRow>, Option<ParkedKey>), tokio_postgres::Error> {
+    let (received_at, endpoint, event_id) = match after {
+        Some(k) => (Some(k.received_at), Some(k.endpoint.as_str()), Some(k.event_id.as_str())),
+        None => (None, None, None),
+    };
+    let params: [(&(dyn ToSql + Sync), Type); 8] = [
+        (&PROVIDER_STRIPE, Type::TEXT),
+        (&event_type, Type::TEXT),
+        (&error_pattern, Type::TEXT),
+        (&as_of, Type::TIMESTAMPTZ),
+        (&received_at, Type::TIMESTAMPTZ),
+        (&endpoint, Type::TEXT),
+        (&event_id, Type::TEXT),
+        (&limit, Type::INT8),
+    ];
+    let sql = if lock { LOCK_PARKED_SQL } else { list_parked_sql() };
+    let rows = client.query_typed(sql, &params).await?;
+    let next = rows.last().map(|r| ParkedKey {
+        received_at: r.get("received_at"),
+        endpoint: r.get("endpoint"),
+        event_id: r.get("event_id"),
+    });
+    let rows = rows
         .iter()
         .map(|r| RequeueRow {
             endpoint: r.get("endpoint"),
@@ -477,7 +556,8 @@ pub async fn lock_parked(
             event_type: r.get("event_type"),
             attempts: r.get("attempts"),
         })
-        .collect())
+        .collect();
+    Ok((rows, next))
 }
 
 /// Puts rows back in the queue: not parked (nor held), attempts 0, available now; `last_error` is
@@ -487,7 +567,7 @@ pub async fn lock_parked(
 /// `$3` event ids (parallel arrays: the rows locked before). Only unprocessed rows.
 pub const REQUEUE_SQL: &str = "\
 UPDATE webhook_inbox
-   SET attempts = 0, available_at = now(), parked_at = NULL, held = NULL
+   SET attempts = 0, interruptions = 0, available_at = now(), parked_at = NULL, held = NULL
  WHERE provider = $1
    AND (endpoint, event_id) IN (SELECT * FROM unnest($2::text[], $3::text[]))
    AND processed_at IS NULL";
@@ -508,19 +588,34 @@ pub async fn requeue(
 
 // ------------------------------------------------------------------------------------ purge
 
-/// The purge cutoff, computed once so every batch agrees: `now() - $1 seconds`, and the same as
-/// RFC 3339 text in UTC (for the output and the audit record).
-pub const PURGE_CUTOFF_SQL: &str = "\
-SELECT c.cutoff, to_char(c.cutoff AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
+/// What a purge fixes before its first batch, so that every batch agrees: the cutoff `now() - $1
+/// seconds` (and as RFC 3339 text in UTC, for the output and the audit record), and the size of
+/// `webhook_inbox` in pages (`pages`): the walk of [`PURGE_BATCH_SQL`] ends there. No row the purge
+/// deletes lies beyond it: a row version written since (a new row, or one moved by an update) is
+/// unprocessed or was processed after the cutoff — the only update of a processed row, `replay`,
+/// renews its `processed_at`.
+pub const PURGE_START_SQL: &str = "\
+SELECT c.cutoff, to_char(c.cutoff AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS cutoff_text,
+       pg_relation_size('webhook_inbox'::regclass) / current_setting('block_size')::int8 AS pages
   FROM (SELECT now() - make_interval(secs => $1) AS cutoff) AS c";
 
-/// Runs [`PURGE_CUTOFF_SQL`]: the cutoff `older_than_seconds` before now, and as text.
-pub async fn purge_cutoff(
+/// What [`PURGE_START_SQL`] returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PurgeStart {
+    pub cutoff: SystemTime,
+    /// The cutoff as RFC 3339, UTC.
+    pub cutoff_text: String,
+    /// Pages of the table when the purge started.
+    pub pages: i64,
+}
+
+/// Runs [`PURGE_START_SQL`] for a purge of rows processed more than `older_than_seconds` ago.
+pub async fn purge_start(
     client: &(impl GenericClient + Sync),
     older_than_seconds: f64,
-) -> Result<(SystemTime, String), tokio_postgres::Error> {
-    let row = client.query_typed_one(PURGE_CUTOFF_SQL, &[(&older_than_seconds, Type::FLOAT8)]).await?;
-    Ok((row.get(0), row.get(1)))
+) -> Result<PurgeStart, tokio_postgres::Error> {
+    let row = client.query_typed_one(PURGE_START_SQL, &[(&older_than_seconds, Type::FLOAT8)]).await?;
+    Ok(PurgeStart { cutoff: row.get("cutoff"), cutoff_text: row.get("cutoff_text"), pages: row.get("pages") })
 }
 
 /// How many rows a purge would delete (`--dry-run`): processed before `$2` (`$1` provider).
@@ -540,31 +635,86 @@ pub async fn purge_count(
         .get(0))
 }
 
-/// One purge batch, one autocommit statement (its own transaction, so a long purge holds no
-/// locks for long and leaves vacuum free to clean behind it): up to `$3` rows processed before
-/// `$2` (`$1` provider). Unprocessed rows are never touched. SKIP LOCKED: a row someone else
-/// holds (a replay) is left for the next purge.
+/// One purge batch, in its own short transaction (the caller's, with the operator limits and the
+/// batch's audit record): the rows processed before `$2` (`$1` provider) in one range of the heap
+/// — from the row position `($3,$4)` (page, item) up to page `$5`, not included — in physical
+/// order, at most `$6`, locked `SKIP LOCKED` (a row someone else holds, a replay, is left for the
+/// next purge) and deleted. Returns how many it deleted and the position of the last one (NULL when
+/// none). Unprocessed rows are never touched.
+///
+/// A purge walks the heap once, from page 0 to the end [`PURGE_START_SQL`] recorded: each batch
+/// starts where the previous one stopped — after its last row when it was full, else at the end of
+/// its range — so no batch reads the pages of the rows deleted before it. Those rows are dead
+/// tuples until vacuum (and their pages stay in the table after it), and the previous statement —
+/// `LIMIT n` over a sequential scan filtered on `processed_at`, which has no index — read all of
+/// them again at every batch: batch k read the k−1 batches' pages before it found a row, so a
+/// purge of a large backlog was quadratic (docs/operations.md, "Retention", has the figures). A
+/// TID range scan (PostgreSQL 14+) reads only the range's pages; the sort by `ctid` is over the
+/// range's rows, which the caller sizes to about one batch from the density it has seen. No index
+/// is needed: one on `processed_at` would cost every processed mark an index insertion.
 pub const PURGE_BATCH_SQL: &str = "\
-DELETE FROM webhook_inbox
- WHERE (provider, endpoint, event_id) IN (
-        SELECT provider, endpoint, event_id
+WITH victims AS (
+        SELECT ctid
           FROM webhook_inbox
-         WHERE provider = $1 AND processed_at IS NOT NULL AND processed_at < $2
-         LIMIT $3
-           FOR UPDATE SKIP LOCKED)";
+         WHERE ctid >= format('(%s,%s)', $3::int8, $4::int8)::tid
+           AND ctid < format('(%s,0)', $5::int8)::tid
+           AND provider = $1 AND processed_at IS NOT NULL AND processed_at < $2
+         ORDER BY ctid
+         LIMIT $6
+           FOR UPDATE SKIP LOCKED),
+     gone AS (
+        DELETE FROM webhook_inbox
+         WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims))
+           AND provider = $1 AND processed_at IS NOT NULL AND processed_at < $2
+        RETURNING ctid)
+SELECT count(*) AS deleted, max(ctid)::text AS last FROM gone";
 
-/// Runs [`PURGE_BATCH_SQL`]; returns how many rows it deleted (0: nothing left).
+/// A row's position in the heap (its `ctid`): page and item number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HeapPosition {
+    pub page: i64,
+    pub item: i64,
+}
+
+impl HeapPosition {
+    /// Reads a `tid` as PostgreSQL prints it: `(page,item)`.
+    pub fn parse(text: &str) -> Option<HeapPosition> {
+        let (page, item) = text.strip_prefix('(')?.strip_suffix(')')?.split_once(',')?;
+        Some(HeapPosition { page: page.trim().parse().ok()?, item: item.trim().parse().ok()? })
+    }
+}
+
+/// What one [`PURGE_BATCH_SQL`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgeBatch {
+    pub deleted: u64,
+    /// Position of the last row it deleted; None when it deleted none.
+    pub last: Option<HeapPosition>,
+}
+
+/// Runs [`PURGE_BATCH_SQL`] on the range from `from` to page `to_page` (not included).
 pub async fn purge_batch(
-    client: &(impl GenericClient + Sync),
+    tx: &(impl GenericClient + Sync),
     cutoff: SystemTime,
-    batch_size: i64,
-) -> Result<u64, tokio_postgres::Error> {
-    client
-        .execute_typed(
-            PURGE_BATCH_SQL,
-            &[(&PROVIDER_STRIPE, Type::TEXT), (&cutoff, Type::TIMESTAMPTZ), (&batch_size, Type::INT8)],
-        )
-        .await
+    from: HeapPosition,
+    to_page: i64,
+    limit: i64,
+) -> Result<PurgeBatch, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 6] = [
+        (&PROVIDER_STRIPE, Type::TEXT),
+        (&cutoff, Type::TIMESTAMPTZ),
+        (&from.page, Type::INT8),
+        (&from.item, Type::INT8),
+        (&to_page, Type::INT8),
+        (&limit, Type::INT8),
+    ];
+    let row = tx.query_typed_one(PURGE_BATCH_SQL, &params).await?;
+    let deleted: i64 = row.get("deleted");
+    let last: Option<String> = row.get("last");
+    Ok(PurgeBatch {
+        deleted: u64::try_from(deleted).unwrap_or(0),
+        last: last.as_deref().and_then(HeapPosition::parse),
+    })
 }
 
 // ------------------------------------------------------------------------------------ audit
@@ -572,6 +722,17 @@ pub async fn purge_batch(
 /// One audit record: who (`$1` actor) did what (`$2` action: requeue, replay, purge) to which
 /// rows (`$3` target, jsonb: the key or the filters) and how many rows it changed (`$4`).
 /// Returns the record's id.
+///
+/// The audit is insert-only: `deploy/roles.sql` lets the operators' role insert these four columns
+/// and read `id`, never change a record. A change made in one transaction (requeue or replay of
+/// one event) has one record, in that transaction. A command that works in batches (`requeue
+/// --all`, `purge`) writes a *run*: a first record before it changes anything (`affected` 0; the
+/// target says what it is about to do), then one per batch in the batch's own transaction
+/// (`affected`: the rows that batch changed; `target.run`: the first record's id), so the records
+/// commit with the changes they count whatever stops the command — a signal, a lost connection,
+/// a kill. `purge` ends its run with a record saying how it ended (`affected` 0, `target.outcome`,
+/// the totals). The rows a run changed: `SELECT sum(affected) FROM operator_audit WHERE id = $run
+/// OR target->>'run' = '$run'`.
 pub const INSERT_AUDIT_SQL: &str = "\
 INSERT INTO operator_audit (actor, action, target, affected)
 VALUES ($1, $2, $3, $4)
@@ -590,4 +751,26 @@ pub async fn insert_audit(
         [(&actor, Type::TEXT), (&action, Type::TEXT), (target, Type::JSONB), (&affected, Type::INT4)];
     let row = client.query_typed_one(INSERT_AUDIT_SQL, &params).await?;
     Ok(row.get(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heap_positions_read_as_postgresql_prints_them() {
+        assert_eq!(HeapPosition::parse("(0,1)"), Some(HeapPosition { page: 0, item: 1 }));
+        assert_eq!(
+            HeapPosition::parse("(4294967294,291)"),
+            Some(HeapPosition { page: 4_294_967_294, item: 291 })
+        );
+        assert_eq!(HeapPosition::parse("0,1"), None);
+        assert_eq!(HeapPosition::parse("(x,1)"), None);
+    }
+
+    #[test]
+    fn a_dry_run_lists_what_a_batch_locks() {
+        assert!(!list_parked_sql().contains("FOR UPDATE"));
+        assert!(LOCK_PARKED_SQL.starts_with(list_parked_sql()));
+    }
 }
