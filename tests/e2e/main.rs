@@ -7,6 +7,7 @@ mod group_commit;
 mod hygiene;
 mod ingest_faults;
 mod ingest_http;
+mod ingest_memory;
 mod ingest_process;
 mod invoice_order;
 mod kept;

@@ -625,6 +625,116 @@ fn compute_v1_is_lowercase_hex_and_sign_header_has_the_stripe_shape() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Before the body: precheck
+// ---------------------------------------------------------------------------------------------
+
+fn precheck(header: &str) -> Result<i64, SignatureError> {
+    verifier().precheck(Some(header.as_bytes()), NOW)
+}
+
+#[test]
+fn precheck_passes_a_well_formed_fresh_header_without_the_body() {
+    assert_eq!(precheck(&sign_header(SECRET, NOW, BODY)), Ok(NOW));
+    // The v1 is judged only with the body: a well-formed one that will not match passes.
+    assert_eq!(precheck(&format!("t={NOW},v1={}", "0".repeat(64))), Ok(NOW));
+    assert_eq!(precheck(&format!("t={NOW},v1={}", compute_v1(OTHER_SECRET, NOW, BODY))), Ok(NOW));
+    // The same leniencies as verify: whitespace around elements, upper case, leading zeros,
+    // v0 and unknown schemes, unusable v1s beside a usable one.
+    let sig = good_sig();
+    for header in [
+        format!(" t={NOW} , v1={} ", sig.to_uppercase()),
+        format!("t=0{NOW},v0=xyz,v1=short,v1={sig},foo=bar"),
+        format!("v1={sig},t={NOW}"),
+    ] {
+        assert_eq!(precheck(&header), Ok(NOW), "{header:?}");
+    }
+}
+
+#[test]
+fn precheck_refuses_what_no_body_can_save() {
+    let sig = good_sig();
+    assert_eq!(verifier().precheck(None, NOW), Err(SignatureError::MissingHeader));
+    for header in [
+        String::new(),
+        " ".into(),
+        "garbage".into(),
+        format!("v1={sig}"),
+        format!("t=abc,v1={sig}"),
+        format!("t=-1,v1={sig}"),
+        format!("t={NOW},t={NOW},v1={sig}"),
+        format!("t={NOW},v1={sig},"),
+        format!("t=9223372036854775808,v1={sig}"),
+    ] {
+        let got = precheck(&header);
+        assert!(matches!(got, Err(SignatureError::Malformed(_))), "{header:?}: {got:?}");
+    }
+    assert!(matches!(verifier().precheck(Some(b"t=1,v1=\xff"), NOW), Err(SignatureError::Malformed(_))));
+    assert_eq!(precheck(&format!("t={NOW},v0={sig}")), Err(SignatureError::NoSignatures));
+    assert_eq!(precheck(&format!("t={NOW}")), Err(SignatureError::NoSignatures));
+    // Not one v1 of 64 hex digits: nothing can match.
+    for header in [
+        format!("t={NOW},v1="),
+        format!("t={NOW},v1={}", &sig[..63]),
+        format!("t={NOW},v1={},v1=zz{}", &sig[..62], &sig[2..]),
+    ] {
+        assert_eq!(precheck(&header), Err(SignatureError::NoMatch), "{header:?}");
+        assert_eq!(check(&header), Err(SignatureError::NoMatch), "verify agrees: {header:?}");
+    }
+}
+
+#[test]
+fn precheck_refuses_a_timestamp_outside_the_tolerance_whatever_the_v1() {
+    let tol = TOL as i64;
+    let pre = |t: i64| verifier().precheck(Some(sign_header(SECRET, t, BODY).as_bytes()), NOW);
+    assert_eq!(pre(NOW - tol), Ok(NOW - tol));
+    assert_eq!(pre(NOW + tol), Ok(NOW + tol));
+    assert_eq!(pre(NOW - tol - 1), Err(SignatureError::TimestampOutsideTolerance));
+    assert_eq!(pre(NOW + tol + 1), Err(SignatureError::TimestampOutsideTolerance));
+    assert_eq!(pre(0), Err(SignatureError::TimestampOutsideTolerance));
+    // Unlike verify, which says NoMatch for a stale header whose v1 does not match: the time
+    // alone decides here, and both are a refusal.
+    let stale_unsigned = format!("t={},v1={}", NOW - 10_000, "0".repeat(64));
+    assert_eq!(precheck(&stale_unsigned), Err(SignatureError::TimestampOutsideTolerance));
+    assert_eq!(check(&stale_unsigned), Err(SignatureError::NoMatch));
+    // Extreme clocks do not panic.
+    let at_max = sign_header(SECRET, i64::MAX, BODY);
+    assert_eq!(
+        verifier().precheck(Some(at_max.as_bytes()), i64::MIN),
+        Err(SignatureError::TimestampOutsideTolerance)
+    );
+    assert_eq!(verifier().precheck(Some(at_max.as_bytes()), i64::MAX), Ok(i64::MAX));
+}
+
+#[test]
+fn precheck_now_uses_the_system_clock() {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let v = verifier();
+    assert_eq!(v.precheck_now(Some(sign_header(SECRET, now, BODY).as_bytes())), Ok(now));
+    assert_eq!(
+        v.precheck_now(Some(sign_header(SECRET, now - 3_600, BODY).as_bytes())),
+        Err(SignatureError::TimestampOutsideTolerance)
+    );
+    assert_eq!(v.precheck_now(None), Err(SignatureError::MissingHeader));
+}
+
+#[test]
+fn precheck_errors_do_not_show_the_header() {
+    const MARK: &str = "MARKER";
+    for header in [
+        MARK.to_owned(),
+        format!("t={MARK},v1={}", good_sig()),
+        format!("t={NOW},v1={MARK}"),
+        format!("t={NOW},v0={MARK}"),
+        format!("t={},v1={MARK}{}", NOW - 1_000, &good_sig()[6..]),
+    ] {
+        let err = precheck(&header).unwrap_err();
+        for text in [err.to_string(), format!("{err:?}")] {
+            assert!(!text.contains(MARK) && !text.contains(&NOW.to_string()), "{text}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Properties
 // ---------------------------------------------------------------------------------------------
 
@@ -721,6 +831,36 @@ proptest! {
             verifier.verify(Some(header.as_bytes()), &body, t + offset),
             Err(SignatureError::NoMatch)
         );
+    }
+
+    /// The precheck never refuses what verify would accept, and verify never accepts what the
+    /// precheck refused, whatever the header, body and clock; a signed header within the
+    /// tolerance passes it.
+    #[test]
+    fn prop_precheck_agrees_with_verify(
+        header in prop::collection::vec(any::<u8>(), 0..256),
+        text in "[tv01=, a-fA-F0-9\\-]{0,200}",
+        body in prop::collection::vec(any::<u8>(), 0..256),
+        secrets in secrets(),
+        which in any::<Index>(),
+        (tol, t, offset) in clock(),
+        skew in -7_200i64..=7_200,
+    ) {
+        let verifier = Verifier::new(&secrets, Duration::from_secs(tol)).unwrap();
+        let signed = sign_header(&secrets[which.index(secrets.len())], t, &body);
+        prop_assert_eq!(verifier.precheck(Some(signed.as_bytes()), t + offset), Ok(t));
+        let candidates = [header, text.into_bytes(), signed.into_bytes()];
+        for now in [t + offset, t.saturating_add(skew)] {
+            for candidate in &candidates {
+                let pre = verifier.precheck(Some(candidate), now);
+                if let Ok(verified) = verifier.verify(Some(candidate), &body, now) {
+                    prop_assert_eq!(pre, Ok(verified.timestamp));
+                }
+                if pre.is_err() {
+                    prop_assert!(verifier.verify(Some(candidate), &body, now).is_err());
+                }
+            }
+        }
     }
 
     /// Arbitrary header bytes never panic, and only a correct signature is ever accepted.

@@ -8,7 +8,7 @@
 //! a commit of five rows costs PostgreSQL nearly what one of thirty does, so at moderate rates one
 //! writer at a time takes everything that arrived during the previous commit, and the others
 //! join as the queue grows. A failed batch answers 503 to each of its requests; a batch refused
-//! for its data (see [`BatchError::Refused`]: the same rows fail on every retry) is retried one row
+//! for its data (see `BatchError::Refused`: the same rows fail on every retry) is retried one row
 //! at a time, so one poison request never fails its neighbours. A single body that `jsonb`
 //! refuses is stored all the same, byte for byte, held as unstorable and parked (see
 //! `store::ingest::INSERT_UNSTORABLE_SQL`): its signature was valid, so it is Stripe's.
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use actix_web::web::Bytes;
 use deadpool_postgres::Pool;
-use inbox_domain::budget::{ByteBudget, BytesHeld};
+use inbox_domain::budget::BytesHeld;
 use inbox_domain::db::Pooler;
 use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent, Provenance};
 use inbox_domain::PROVIDER_STRIPE;
@@ -43,8 +43,9 @@ struct Pending {
     signature_t: i64,
     signature_v1: [u8; 32],
     reply: oneshot::Sender<Result<InsertOutcome, IngestError>>,
-    /// The payload's share of the bytes in flight, given back when the batch is written — not
-    /// when the request gives up waiting: the payload stays queued until then.
+    /// The payload's share of the bytes in flight (taken before its first byte was read), given
+    /// back when the batch is written — not when the request gives up waiting: the payload stays
+    /// queued until then.
     _held: BytesHeld,
 }
 
@@ -71,9 +72,6 @@ struct Writers {
 pub struct Batcher {
     queue: mpsc::Sender<Pending>,
     writers: Arc<Writers>,
-    /// Payload bytes queued or being written: a slow database makes requests wait here (and
-    /// then 503) instead of making the process grow.
-    payloads: ByteBudget,
 }
 
 impl Batcher {
@@ -85,7 +83,6 @@ impl Batcher {
         writers: usize,
         db_timeout: Duration,
         keep_raw: bool,
-        payloads: ByteBudget,
         metrics: Metrics,
     ) -> Batcher {
         let target = Target { pool, pooler, timeout: db_timeout, keep_raw };
@@ -95,13 +92,18 @@ impl Batcher {
         for _ in 0..writers.max(1) {
             tokio::spawn(writer(shared.clone(), target.clone(), metrics.clone()));
         }
-        Batcher { queue, writers: shared, payloads }
+        Batcher { queue, writers: shared }
     }
 
-    /// Stores one event; resolves once its batch committed (or failed). Waits first for the
-    /// payload's room in the bytes in flight.
-    pub async fn insert(&self, event: Verified<'_>, payload: Bytes) -> Result<InsertOutcome, IngestError> {
-        let room = self.payloads.take(payload.len() as u64).await;
+    /// Stores one event; resolves once its batch committed (or failed). `held` is the payload's
+    /// room in the bytes in flight, kept until the batch is written: a slow database fills the
+    /// budget, and new requests then wait for room (and 503) instead of the process growing.
+    pub async fn insert(
+        &self,
+        event: Verified<'_>,
+        payload: Bytes,
+        held: BytesHeld,
+    ) -> Result<InsertOutcome, IngestError> {
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
             endpoint: event.endpoint.to_owned(),
@@ -114,7 +116,7 @@ impl Batcher {
             signature_t: event.signature_t,
             signature_v1: event.signature_v1,
             reply,
-            _held: room,
+            _held: held,
         };
         self.queue.send(pending).await.map_err(|_| IngestError::Unavailable("shutting down"))?;
         if self.queue.max_capacity() - self.queue.capacity() >= JOIN_AT - 1 {

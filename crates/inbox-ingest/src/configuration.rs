@@ -59,10 +59,19 @@ pub struct Cli {
     #[arg(long, env = "INBOX_MAX_BODY", default_value = "1MiB", value_parser = parse_byte_size)]
     pub max_body: u64,
 
-    /// Most verified payload bytes waiting for their commit: past it a request waits (up to
-    /// --db-timeout, then 503) instead of the process growing while the database is slow.
-    #[arg(long, env = "INBOX_MAX_BYTES_IN_FLIGHT", default_value = "64MiB", value_parser = parse_byte_size)]
+    /// Most request-body bytes held at once, from the first byte received until the event's batch
+    /// is written: a request is given room for its whole declared body before any of it is read
+    /// (a chunked one as it arrives); past the bound it waits (up to --db-timeout, then 503 with
+    /// Retry-After) instead of the process growing, under slow senders or a slow database alike.
+    #[arg(long, env = "INBOX_MAX_BYTES_IN_FLIGHT", default_value = "32MiB", value_parser = parse_byte_size)]
     pub max_bytes_in_flight: u64,
+
+    /// Most connections served at once; more wait in the listen backlog. Each may hold ~0.25 MiB
+    /// (at worst ~0.5 MiB) of request buffered by the HTTP layer, outside --max-bytes-in-flight:
+    /// the two together bound the process's memory under slow or hostile clients
+    /// (docs/operations.md).
+    #[arg(long, env = "INBOX_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
 
     /// Also store every verified body byte for byte, with the signature that matched, as evidence
     /// (`inbox-worker verify --event-id` re-checks it). Costs WAL and table space per event
@@ -94,6 +103,26 @@ pub struct Cli {
     pub log_format: Option<LogFormat>,
 }
 
+/// Connections served at once by default (`--max-connections`). The HTTP layer reads up to 128 KiB
+/// ahead of the handler on each (and holds up to ~0.5 MiB at worst, ~0.25 MiB measured): 256 of
+/// them are 64 MiB (128 at worst) beside the 32 MiB of `--max-bytes-in-flight`, inside the pod's
+/// 256 Mi (docs/operations.md, "Memory"); and 256 connections carry thousands of requests a second.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+
+/// The HTTP layer's connection limit, apart from [`Settings`]: an application built with
+/// [`crate::Application::build`] gets [`ConnectionLimits::default`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Most connections served at once, over all of the server's threads.
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits { max_connections: DEFAULT_MAX_CONNECTIONS }
+    }
+}
+
 /// Validated settings of the service. Holds secrets: its Debug output redacts them.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -103,8 +132,9 @@ pub struct Settings {
     pub endpoints: Vec<EndpointSpec>,
     pub tolerance: Duration,
     pub max_body: usize,
-    /// Bound on the payload bytes waiting for their commit: the ingest's memory under a slow
-    /// database, whatever the size of the events.
+    /// Bound on the request-body bytes held, from the first byte received until the batch is
+    /// written: the ingest's memory for bodies under slow senders or a slow database, whatever
+    /// the size of the events.
     pub max_bytes_in_flight: u64,
     pub pool_size: usize,
     pub db_timeout: Duration,
@@ -117,6 +147,14 @@ pub struct Settings {
 }
 
 impl Cli {
+    /// The connection limits asked for (refuses 0).
+    pub fn connection_limits(&self) -> anyhow::Result<ConnectionLimits> {
+        if self.max_connections == 0 {
+            anyhow::bail!("--max-connections / INBOX_MAX_CONNECTIONS must be at least 1");
+        }
+        Ok(ConnectionLimits { max_connections: self.max_connections })
+    }
+
     /// Checks everything that can be checked before touching the network.
     pub fn into_settings(self) -> anyhow::Result<Settings> {
         let mut database = inbox_domain::db::parse_database_url(&self.database_url)?;

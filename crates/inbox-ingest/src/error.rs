@@ -4,6 +4,7 @@
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
+use inbox_domain::budget::NoRoom;
 use inbox_domain::inbox::event::EventHeadError;
 use inbox_domain::inbox::signature::SignatureError;
 
@@ -26,6 +27,11 @@ pub enum IngestError {
     /// The database could not confirm the row in time. Stripe retries; the retry is deduplicated.
     #[error("database unavailable")]
     Unavailable(&'static str),
+    /// No room in the bytes in flight (`--max-bytes-in-flight`) for the body, in time: the process
+    /// holds as many bodies as it may. Answered before the body is read (or, for a chunked body
+    /// that outgrew its room, before the rest is); the sender retries.
+    #[error("too busy: retry later")]
+    Busy(NoRoom),
 }
 
 impl IngestError {
@@ -40,6 +46,7 @@ impl IngestError {
             IngestError::BadSignature(_) => "bad_signature",
             IngestError::BadPayload(_) => "bad_payload",
             IngestError::Unavailable(_) => "unavailable",
+            IngestError::Busy(_) => "busy",
         }
     }
 }
@@ -54,13 +61,13 @@ impl ResponseError for IngestError {
             IngestError::BodyRead | IngestError::BadSignature(_) | IngestError::BadPayload(_) => {
                 StatusCode::BAD_REQUEST
             }
-            IngestError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            IngestError::Unavailable(_) | IngestError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
     fn error_response(&self) -> HttpResponse {
         let mut response = HttpResponse::build(self.status_code());
-        if let IngestError::Unavailable(_) = self {
+        if let IngestError::Unavailable(_) | IngestError::Busy(_) = self {
             // Stripe ignores it, other senders and proxies may honour it.
             response.insert_header(("Retry-After", "1"));
         }

@@ -14,5 +14,5 @@ pub mod metrics;
 pub mod routes;
 pub mod startup;
 
-pub use configuration::{Cli, Settings};
+pub use configuration::{Cli, ConnectionLimits, Settings};
 pub use startup::{Application, ServerHandle};

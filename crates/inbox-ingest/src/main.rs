@@ -20,11 +20,12 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let listen = cli.listen.clone();
+    let limits = cli.connection_limits()?;
     let settings = cli.into_settings()?;
     let listener = TcpListener::bind(&listen).with_context(|| format!("binding {listen}"))?;
     let endpoints: Vec<String> = settings.endpoints.iter().map(|e| e.name.clone()).collect();
     let address = listener.local_addr()?;
-    let app = Application::build(settings, listener).await?;
+    let app = Application::build_with(settings, limits, listener).await?;
     tracing::info!(listen = %address, ?endpoints, "inbox-ingest serving");
     app.run_until_stopped().await.context("serving")?;
     tracing::info!("inbox-ingest stopped cleanly");

@@ -6,6 +6,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -52,6 +53,7 @@ pub struct Metrics {
     verified: Family<SecretLabels, Counter>,
     unstorable: Family<EndpointLabel, Counter>,
     batch_size: Histogram,
+    body_bytes_held: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -101,8 +103,16 @@ impl Metrics {
             "Requests written by each group-commit INSERT",
             batch_size.clone(),
         );
+        let body_bytes_held = Gauge::default();
+        registry.register(
+            "inbox_ingest_body_bytes_held",
+            "Request-body bytes held now, from the first byte received until the batch is written \
+             (at most --max-bytes-in-flight; at it, requests wait for room and then get 503)",
+            body_bytes_held.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
+            body_bytes_held,
             requests,
             duration,
             signature_failures,
@@ -146,6 +156,11 @@ impl Metrics {
         self.signature_failures
             .get_or_create(&SignatureLabels { endpoint: endpoint.to_owned(), reason })
             .inc();
+    }
+
+    /// Sets the request-body bytes held now (read when rendering).
+    pub fn body_bytes_held(&self, bytes: u64) {
+        self.body_bytes_held.set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// The exposition text (OpenMetrics, which Prometheus scrapes natively).

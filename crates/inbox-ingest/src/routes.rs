@@ -3,8 +3,10 @@
 use std::time::{Duration, Instant};
 
 use actix_web::http::header::{HeaderMap, CONTENT_LENGTH};
-use actix_web::web::{self, Bytes};
+use actix_web::web::{self, Bytes, BytesMut};
 use actix_web::{HttpRequest, HttpResponse};
+use futures_util::StreamExt as _;
+use inbox_domain::budget::BytesHeld;
 use inbox_domain::inbox::event::EventHead;
 use inbox_domain::inbox::signature;
 use inbox_domain::inbox::store::ingest::{Held, InsertOutcome};
@@ -106,16 +108,26 @@ async fn receive(
         return Err(IngestError::HeadersTooLarge);
     }
 
-    let body = read_body(headers, payload, state.max_body, state.body_timeout).await?;
-
+    // Before a byte of the body is read or held: its declared size, then everything the
+    // signature header tells without the body (its shape, a usable v1, a fresh t).
+    let declared = declared_length(headers, state.max_body)?;
     // Two Stripe-Signature headers are ambiguous: refuse rather than pick one.
     let mut signatures = headers.get_all(signature::HEADER_NAME);
     let header = signatures.next().map(|v| v.as_bytes());
-    if signatures.next().is_some() {
-        return Err(IngestError::BadSignature(signature::SignatureError::Malformed(
-            "more than one Stripe-Signature header",
-        )));
+    let precheck = if signatures.next().is_some() {
+        Err(signature::SignatureError::Malformed("more than one Stripe-Signature header"))
+    } else {
+        config.verifier.precheck_now(header).map(|_| ())
+    };
+    if let Err(refused) = precheck {
+        if declared.is_none() {
+            // Chunked: the size is judged first all the same, on bytes read and thrown away.
+            discard_body(payload, state.max_body, state.body_timeout).await?;
+        }
+        return Err(IngestError::BadSignature(refused));
     }
+
+    let (body, held) = read_body(state, declared, payload).await?;
     let verified = config.verifier.verify_now(header, &body).map_err(IngestError::BadSignature)?;
     let fingerprint = config.fingerprints[verified.secret].clone();
     state.metrics.verified(endpoint, &fingerprint);
@@ -145,7 +157,7 @@ async fn receive(
         signature_t: verified.timestamp,
         signature_v1: verified.signature,
     };
-    let stored = state.batcher.insert(event, body.clone());
+    let stored = state.batcher.insert(event, body.clone(), held);
     let outcome = match tokio::time::timeout(state.db_timeout, stored).await {
         Ok(result) => result?,
         Err(_) => return Err(IngestError::Unavailable("timed out")),
@@ -161,28 +173,94 @@ async fn receive(
     Ok(Stored { outcome, held })
 }
 
-/// Reads the body, refusing one over `limit` before reading it when Content-Length says so,
-/// and otherwise as soon as the streamed bytes pass the limit (chunked or lying senders).
+/// Requests that may wait for room in the bytes in flight at once; a request finding this many
+/// waiting is answered 503 at once (its connection then closes, after [`crate::startup::LINGER`]).
+/// A waiting request's body is not read, but the HTTP layer buffers ~0.25 MiB of it: this bounds
+/// that memory (~16 MiB), and it frees the connections of requests that would most likely wait in
+/// vain for requests that may not.
+pub const MAX_WAITING_FOR_ROOM: usize = 64;
+
+/// Room taken for a chunked body (no Content-Length) before it is read; it grows (doubling, up to
+/// `--max-body`) as the body arrives.
+pub const CHUNKED_FIRST_ROOM: usize = 64 * 1024;
+
+/// The body's size from Content-Length: 413 over `limit` (before a byte is read), 400 when it is
+/// not a number; `None` for a chunked body.
+fn declared_length(headers: &HeaderMap, limit: usize) -> Result<Option<usize>, IngestError> {
+    let Some(length) = headers.get(CONTENT_LENGTH) else { return Ok(None) };
+    match length.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        Some(n) if n > limit as u64 => Err(IngestError::TooLarge),
+        Some(n) => Ok(Some(n as usize)),
+        None => Err(IngestError::BodyRead),
+    }
+}
+
+/// Reads the body into room taken from the bytes in flight first: the declared length at once,
+/// or for a chunked body a first share that grows as it arrives. Waits for room up to
+/// `--db-timeout` (503 past it, or at once when [`MAX_WAITING_FOR_ROOM`] requests already wait);
+/// then the body must arrive within `--body-timeout` (408), at most `--max-body` (413). The room
+/// is returned with the body, shrunk to its size, and goes with it to the batch; on any refusal
+/// it is given back on the spot (dropped).
 async fn read_body(
-    headers: &HeaderMap,
-    payload: web::Payload,
+    state: &AppState,
+    declared: Option<usize>,
+    mut payload: web::Payload,
+) -> Result<(Bytes, BytesHeld), IngestError> {
+    let limit = state.max_body;
+    let first = declared.unwrap_or(CHUNKED_FIRST_ROOM.min(limit));
+    let mut held = state
+        .bodies
+        .take_within(first as u64, state.db_timeout, MAX_WAITING_FOR_ROOM)
+        .await
+        .map_err(IngestError::Busy)?;
+    let deadline = tokio::time::Instant::now() + state.body_timeout;
+    let mut body = BytesMut::with_capacity(first);
+    loop {
+        let chunk = match tokio::time::timeout_at(deadline, payload.next()).await {
+            Err(_) => return Err(IngestError::BodyTimeout),
+            Ok(None) => break,
+            Ok(Some(Err(_read_error))) => return Err(IngestError::BodyRead),
+            Ok(Some(Ok(chunk))) => chunk,
+        };
+        let size = body.len() + chunk.len();
+        if size > limit {
+            return Err(IngestError::TooLarge);
+        }
+        if size as u64 > held.bytes() {
+            // Only a chunked body outgrows its room (a Content-Length body cannot pass its length).
+            let grown = (held.bytes() * 2).max(size as u64).min(limit as u64);
+            let patience = deadline.saturating_duration_since(tokio::time::Instant::now());
+            state
+                .bodies
+                .grow_within(&mut held, grown, patience, MAX_WAITING_FOR_ROOM)
+                .await
+                .map_err(IngestError::Busy)?;
+        }
+        body.extend_from_slice(&chunk);
+    }
+    held.shrink_to(body.len() as u64);
+    Ok((body.freeze(), held))
+}
+
+/// Reads a chunked body the request is refused for anyway, keeping none of it, to answer 413
+/// rather than 400 when it is over `limit` (as a declared length is judged). Gives up quietly at
+/// `deadline` or on a read error: the refusal stands.
+async fn discard_body(
+    mut payload: web::Payload,
     limit: usize,
     deadline: Duration,
-) -> Result<Bytes, IngestError> {
-    if let Some(length) = headers.get(CONTENT_LENGTH) {
-        let declared = length.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok());
-        match declared {
-            Some(n) if n > limit as u64 => return Err(IngestError::TooLarge),
-            Some(_) => {}
-            None => return Err(IngestError::BodyRead),
+) -> Result<(), IngestError> {
+    let mut seen = 0usize;
+    let read = async {
+        while let Some(Ok(chunk)) = payload.next().await {
+            seen += chunk.len();
+            if seen > limit {
+                return Err(IngestError::TooLarge);
+            }
         }
-    }
-    match tokio::time::timeout(deadline, payload.to_bytes_limited(limit)).await {
-        Err(_) => Err(IngestError::BodyTimeout),
-        Ok(Err(_limit_exceeded)) => Err(IngestError::TooLarge),
-        Ok(Ok(Err(_read_error))) => Err(IngestError::BodyRead),
-        Ok(Ok(Ok(body))) => Ok(body),
-    }
+        Ok(())
+    };
+    tokio::time::timeout(deadline, read).await.unwrap_or(Ok(()))
 }
 
 /// `GET /healthz`: the process is up.
@@ -224,6 +302,7 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 
 /// `GET /metrics`: Prometheus exposition.
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    state.metrics.body_bytes_held(state.bodies.total() - state.bodies.available());
     HttpResponse::Ok()
         .content_type(inbox_domain::telemetry::METRICS_CONTENT_TYPE)
         .body(state.metrics.render())

@@ -17,7 +17,7 @@ use inbox_domain::inbox::signature::Verifier;
 use tokio::sync::Notify;
 
 use crate::batcher::Batcher;
-use crate::configuration::Settings;
+use crate::configuration::{ConnectionLimits, Settings};
 use crate::error::IngestError;
 use crate::metrics::Metrics;
 use crate::routes;
@@ -41,8 +41,11 @@ pub struct AppState {
     pub max_body: usize,
     /// Bound on receiving the body (408 past it).
     pub body_timeout: Duration,
-    /// Bound on storing the event (503 past it).
+    /// Bound on storing the event, and on waiting for room for a body (503 past either).
     pub db_timeout: Duration,
+    /// Request-body bytes held, from the first byte received until the batch is written
+    /// (`--max-bytes-in-flight`): room for a body is taken before it is read.
+    pub bodies: ByteBudget,
     pub metrics: Metrics,
     /// Group-commit writers: every insert goes through them.
     pub batcher: Batcher,
@@ -82,10 +85,32 @@ pub struct Application {
 /// How long in-flight requests may take to finish after a stop signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
+/// Bound on receiving a request's head (request line and headers), then 408 and the connection is
+/// closed. Stripe sends its head at once; a sender trickling one holds a connection (and up to the
+/// 128 KiB the HTTP layer buffers for a head) no longer than this.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// After an answer given without reading the whole body (413, 400 before the body, 503 for want of
+/// room): the rest of the body is read and thrown away for this long, so that the sender sees the
+/// answer rather than a reset, then the connection is closed.
+pub const LINGER: Duration = Duration::from_secs(1);
+
+/// An idle keep-alive connection is closed after this: it holds one of `--max-connections`.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
+
 impl Application {
-    /// Builds the service on an already-bound listener (tests bind port 0). Refuses bad secrets
-    /// or tolerance and an unreachable database.
+    /// Builds the service on an already-bound listener (tests bind port 0), with the default
+    /// [`ConnectionLimits`]. Refuses bad secrets or tolerance and an unreachable database.
     pub async fn build(settings: Settings, listener: TcpListener) -> anyhow::Result<Application> {
+        Self::build_with(settings, ConnectionLimits::default(), listener).await
+    }
+
+    /// [`Application::build`] with the given connection limits.
+    pub async fn build_with(
+        settings: Settings,
+        limits: ConnectionLimits,
+        listener: TcpListener,
+    ) -> anyhow::Result<Application> {
         let metrics = Metrics::new();
         let mut endpoints = HashMap::new();
         for spec in &settings.endpoints {
@@ -127,7 +152,6 @@ impl Application {
             writers,
             settings.db_timeout,
             settings.keep_raw,
-            ByteBudget::new(settings.max_bytes_in_flight),
             metrics.clone(),
         );
         let wake_workers = Arc::new(Notify::new());
@@ -139,9 +163,16 @@ impl Application {
             max_body: settings.max_body,
             body_timeout: settings.body_timeout,
             db_timeout: settings.db_timeout,
+            bodies: ByteBudget::new(settings.max_bytes_in_flight),
             metrics,
             batcher,
         });
+        // actix limits connections per server thread: split the limit between them (and use no
+        // more threads than connections allowed).
+        let threads = std::thread::available_parallelism()
+            .map_or(2, std::num::NonZeroUsize::get)
+            .clamp(1, 512)
+            .min(limits.max_connections.max(1));
         let mut server = HttpServer::new(move || {
             App::new()
                 .app_data(state.clone())
@@ -159,6 +190,11 @@ impl Application {
                     HttpResponse::NotFound().json(serde_json::json!({ "error": "not found" }))
                 }))
         })
+        .workers(threads)
+        .max_connections(limits.max_connections.max(1).div_ceil(threads))
+        .client_request_timeout(HEAD_TIMEOUT)
+        .client_disconnect_timeout(LINGER)
+        .keep_alive(KEEP_ALIVE)
         .shutdown_timeout(SHUTDOWN_GRACE.as_secs())
         .listen(listener)
         .context("listening")?;

@@ -68,6 +68,18 @@
 //! [`SignatureError::TimestampOutsideTolerance`] is only returned when a `v1` matched but the
 //! time is off; when nothing matched the error is [`SignatureError::NoMatch`] whatever the time.
 //!
+//! # Before the body: [`Verifier::precheck`]
+//!
+//! Everything but the HMAC can be judged from the header alone, before a byte of the body is read:
+//! [`Verifier::precheck`] refuses a missing or malformed header, one without `v1`, one whose `v1`s
+//! are all unusable (none is 64 hex digits: [`SignatureError::NoMatch`] whatever the body), and a
+//! `t` outside the tolerance ([`SignatureError::TimestampOutsideTolerance`], whatever the `v1`s: the
+//! time is not secret, so saying it is stale before knowing whether a signature matches tells a
+//! sender nothing it did not know). A server checks it first and reads (and holds) a body only for
+//! a header that passes, then [`Verifier::verify`]s the body. The two agree: a header that passes
+//! `precheck` can still fail `verify`, and any header `verify` accepts at a time passes `precheck`
+//! at that time.
+//!
 //! # Constant time and cost
 //!
 //! For each secret the expected tag is computed once (streaming `"{t}."` then the body into
@@ -258,6 +270,28 @@ impl Verifier {
         } else {
             Err(SignatureError::TimestampOutsideTolerance)
         }
+    }
+
+    /// What can be checked of `header` before the body arrives (see the module's documentation):
+    /// its shape, a `v1` that could match, and its `t` within the tolerance of `now_unix`. Returns
+    /// `t`. Passing it is necessary, not sufficient: the body must still be [`Verifier::verify`]d.
+    pub fn precheck(&self, header: Option<&[u8]>, now_unix: i64) -> Result<i64, SignatureError> {
+        let header = header.ok_or(SignatureError::MissingHeader)?;
+        let parsed = parse_header(header)?;
+        if parsed.candidates.iter().all(Option::is_none) {
+            // No candidate is 64 hex digits: none can ever match, whatever the body.
+            return Err(SignatureError::NoMatch);
+        }
+        if within_tolerance(parsed.timestamp, now_unix, self.tolerance) {
+            Ok(parsed.timestamp)
+        } else {
+            Err(SignatureError::TimestampOutsideTolerance)
+        }
+    }
+
+    /// [`Verifier::precheck`] at the current system time.
+    pub fn precheck_now(&self, header: Option<&[u8]>) -> Result<i64, SignatureError> {
+        self.precheck(header, unix_now())
     }
 
     /// Which secret, if any, made `signature` for `body` at `timestamp` (no tolerance: this checks
