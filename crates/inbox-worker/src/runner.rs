@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use inbox_domain::db::{
-    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions,
-    Pooler,
+    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig,
+    PoolOptions, Pooler,
 };
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::gauges;
@@ -162,7 +162,12 @@ where
     let background = CancellationToken::new();
     if metrics_server.is_some() {
         tokio::spawn(metrics.heartbeat.clone().run(background.clone()));
-        tokio::spawn(refresh_gauges(pool.clone(), settings.database.clone(), metrics.clone(), background.clone()));
+        tokio::spawn(refresh_gauges(
+            pool.clone(),
+            settings.database.clone(),
+            metrics.clone(),
+            background.clone(),
+        ));
     }
     let wake = Arc::new(Notify::new());
     if settings.database.pooler == Pooler::Transaction {
@@ -235,7 +240,9 @@ async fn refresh_gauges(
 ) {
     loop {
         match pool.get().await {
-            Err(e) => tracing::debug!(error = %describe_pool_error(&e), "refreshing queue gauges: no connection"),
+            Err(e) => {
+                tracing::debug!(error = %describe_pool_error(&e), "refreshing queue gauges: no connection")
+            }
             Ok(mut client) => {
                 let refresh = gauges::refresh(&mut client, metrics::GAUGE_INTERVAL);
                 match tokio::time::timeout(metrics::GAUGE_INTERVAL, refresh).await {

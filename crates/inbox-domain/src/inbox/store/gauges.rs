@@ -44,9 +44,13 @@ UPDATE queue_gauges
 /// this call counted them. One transaction whose statements the server stops at `interval`
 /// (a count slower than that is abandoned, not left running); on error the caller discards the
 /// connection.
-pub async fn refresh(client: &mut Client, interval: Duration) -> Result<(QueueGauges, bool), tokio_postgres::Error> {
+pub async fn refresh(
+    client: &mut Client,
+    interval: Duration,
+) -> Result<(QueueGauges, bool), tokio_postgres::Error> {
     let tx = client.transaction().await?;
-    let limits = TransactionLimits { statement_timeout: interval, lock_timeout: interval / 2, idle_timeout: interval };
+    let limits =
+        TransactionLimits { statement_timeout: interval, lock_timeout: interval / 2, idle_timeout: interval };
     set_limits(&tx, &limits).await?;
     let age = interval.as_secs_f64();
     let taken = tx.query_typed(TAKE_STALE_SQL, &[(&age, Type::FLOAT8)]).await?;

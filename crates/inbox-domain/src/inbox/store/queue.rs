@@ -350,7 +350,9 @@ pub async fn return_claims(
     let leases: Vec<std::time::SystemTime> = claimed.iter().map(|c| c.leased_until).collect();
     let (delay, error, interrupted, limit) = match why {
         Return::Unstarted => (0.0, None, false, 0),
-        Return::Interrupted { within, error, limit } => (within.as_secs_f64(), Some(truncate_error(error)), true, limit),
+        Return::Interrupted { within, error, limit } => {
+            (within.as_secs_f64(), Some(truncate_error(error)), true, limit)
+        }
     };
     let params: [(&(dyn ToSql + Sync), Type); 9] = [
         (&providers, Type::TEXT_ARRAY),
