@@ -295,3 +295,30 @@ async fn other_methods_and_paths() {
     assert_eq!(r.status, 405, "{}", r.text);
     assert_eq!(app.get("/nothing-here").await.status, 404);
 }
+
+/// A readiness check that runs out of time answers 503 and does not leave its query running: the
+/// connection is cancelled and discarded, not handed back to the pool (where a batch writer would
+/// get it still busy) nor left waiting on the server.
+#[tokio::test]
+async fn readyz_that_times_out_leaves_no_query_running_on_the_server() {
+    // A statement timeout (the ingest's db timeout) far above readyz's own 2 s bound.
+    let app =
+        spawn_app_with(TestDb::new().await, |s| s.db_timeout = std::time::Duration::from_secs(20)).await;
+    let mut locker = app.db.client().await;
+    let tx = locker.transaction().await.unwrap();
+    tx.batch_execute("LOCK TABLE refinery_schema_history IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let ready = app.get("/readyz").await;
+    assert_eq!(ready.status, 503, "{}", ready.text);
+    assert_eq!(ready.body["error"], "database timed out");
+    let observer = app.db.client().await;
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                     AND application_name = 'inbox-ingest' AND wait_event_type = 'Lock'";
+    let gone = inbox_test_support::worker::eventually(std::time::Duration::from_secs(2), || async {
+        inbox_test_support::db::scalar(&observer, waiting).await == 0
+    })
+    .await;
+    assert!(gone, "the timed-out readiness query is still waiting on the server");
+    tx.rollback().await.unwrap();
+    assert_eq!(app.get("/readyz").await.status, 200);
+    assert_eq!(app.post_signed(invoice_paid("evt_after", "in_1", 100)).await.status, 200);
+}

@@ -271,12 +271,25 @@ pub async fn healthz() -> HttpResponse {
 /// `GET /readyz`: the database answers and its schema is at least the version this build expects.
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let expected = inbox_domain::inbox::schema::expected_version();
-    let check = async {
-        let client = state.pool.get().await.map_err(|_| "database unavailable")?;
-        inbox_domain::inbox::schema::current_version(&client).await.map_err(|_| "database unavailable")
-    };
     let timeout = state.db_timeout.min(Duration::from_secs(2));
-    let (ready, body) = match tokio::time::timeout(timeout, check).await {
+    let started = Instant::now();
+    let check = async {
+        let client = match tokio::time::timeout(timeout, state.pool.get()).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(_)) => return Ok(Err("database unavailable")),
+            Err(elapsed) => return Err(elapsed),
+        };
+        let left = timeout.saturating_sub(started.elapsed());
+        match tokio::time::timeout(left, inbox_domain::inbox::schema::current_version(&client)).await {
+            Ok(version) => Ok(version.map_err(|_| "database unavailable")),
+            Err(elapsed) => {
+                // Never hand the pool a connection whose query still runs: cancel it, drop it.
+                inbox_domain::db::abandon(client, &state.database);
+                Err(elapsed)
+            }
+        }
+    };
+    let (ready, body) = match check.await {
         Ok(Ok(Some(version))) if version >= expected => {
             (true, serde_json::json!({ "status": "ready", "schema_version": version }))
         }

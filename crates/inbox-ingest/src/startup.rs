@@ -37,6 +37,8 @@ pub struct AppState {
     pub endpoints: Arc<HashMap<String, Endpoint>>,
     /// Connections to the inbox database.
     pub pool: Pool,
+    /// How to reach the database: what a cancel request for an abandoned query needs.
+    pub database: inbox_domain::db::DatabaseConfig,
     /// Largest body accepted (413 above).
     pub max_body: usize,
     /// Bound on receiving the body (408 past it).
@@ -160,6 +162,7 @@ impl Application {
             wake_workers,
             endpoints: Arc::new(endpoints),
             pool: pool.clone(),
+            database: settings.database.clone(),
             max_body: settings.max_body,
             body_timeout: settings.body_timeout,
             db_timeout: settings.db_timeout,
