@@ -577,24 +577,7 @@ async fn a_subscription_without_a_payer_fails_with_a_clear_error_and_parks_for_r
     store_event(&client, "billing", &event("evt_fine", "customer.subscription.updated", &fine)).await;
 
     let worker = start_worker(&db, &["--max-attempts", "2"]).await;
-    // Parked once the second attempt failed: its failure moved available_at a few seconds ahead
-    // (the backoff), no longer minutes (the lease of an attempt in flight).
-    let parked = eventually(TIMEOUT, || async {
-        scalar(
-            &client,
-            "SELECT count(*) FROM webhook_inbox
-              WHERE event_id = 'evt_no_payer' AND attempts = 2 AND processed_at IS NULL
-                AND last_error IS NOT NULL AND available_at < now() + interval '1 minute'",
-        )
-        .await
-            == 1
-    })
-    .await;
-    assert!(parked, "the row was not retried up to the limit:\n{}", worker.output());
-
-    let review = json_of(&db, &["--max-attempts", "2", "needs-review"]).await;
-    assert_eq!(review["count"], 1, "{review}");
-    assert_eq!(review["rows"][0]["event_id"], "evt_no_payer", "{review}");
+    let review = parked_for_review(&db, &client, &worker, "evt_no_payer").await;
     let last_error = review["rows"][0]["last_error"].as_str().unwrap_or_default();
     assert!(
         last_error.contains("data.object.customer and data.object.customer_account are both null"),
@@ -704,23 +687,7 @@ async fn a_thin_event_without_related_object_fails_with_a_clear_error_and_parks_
     store_event(&client, "billing", &bytes(&thin("evt_thin_account", ACCOUNT_UPDATED, &acct, None))).await;
 
     let worker = start_worker(&db, &["--max-attempts", "2"]).await;
-    // Parked once the second attempt failed (as for the subscription without a payer).
-    let parked = eventually(TIMEOUT, || async {
-        scalar(
-            &client,
-            "SELECT count(*) FROM webhook_inbox
-              WHERE event_id = 'evt_thin_no_related' AND attempts = 2 AND processed_at IS NULL
-                AND last_error IS NOT NULL AND available_at < now() + interval '1 minute'",
-        )
-        .await
-            == 1
-    })
-    .await;
-    assert!(parked, "the row was not retried up to the limit:\n{}", worker.output());
-
-    let review = json_of(&db, &["--max-attempts", "2", "needs-review"]).await;
-    assert_eq!(review["count"], 1, "{review}");
-    assert_eq!(review["rows"][0]["event_id"], "evt_thin_no_related", "{review}");
+    let review = parked_for_review(&db, &client, &worker, "evt_thin_no_related").await;
     let last_error = review["rows"][0]["last_error"].as_str().unwrap_or_default();
     assert!(
         last_error.contains("related_object {id, type, url} is missing")
@@ -773,4 +740,19 @@ async fn a_malformed_price_list_stops_the_binary_before_it_touches_the_database(
         0,
         "nothing may be migrated"
     );
+}
+
+/// Waits until the worker parked `event_id` (its second and last attempt failed) and returns
+/// `needs-review --json`, which must list that row alone.
+async fn parked_for_review(db: &TestDb, client: &Client, worker: &Proc, event_id: &str) -> Value {
+    let sql = format!(
+        "SELECT count(*) FROM webhook_inbox
+          WHERE event_id = '{event_id}' AND attempts = 2 AND processed_at IS NULL AND parked_at IS NOT NULL"
+    );
+    let parked = eventually(TIMEOUT, || async { scalar(client, &sql).await == 1 }).await;
+    assert!(parked, "{event_id} was not retried up to the limit and parked:\n{}", worker.output());
+    let review = json_of(db, &["needs-review"]).await;
+    assert_eq!(review["count"], 1, "{review}");
+    assert_eq!(review["rows"][0]["event_id"], event_id, "{review}");
+    review
 }
