@@ -52,6 +52,25 @@ ALTER TABLE ledger_entries OWNER TO inbox_owner;
 ALTER TABLE operator_audit OWNER TO inbox_owner;
 ALTER TABLE reconciliation_items OWNER TO inbox_owner;
 ALTER TABLE refinery_schema_history OWNER TO inbox_owner;
+ALTER TABLE queue_gauges OWNER TO inbox_owner;
+
+-- Every session of these roles, in this database, resolves names the same way, whatever the
+-- server's default: the inbox's schema, and temporary objects last (pg_catalog, not listed, is
+-- searched first, as always; listing it first would also make it where migrations create tables).
+-- The default "$user", public would let a schema named after a role shadow webhook_inbox, and
+-- pg_temp left implicit is searched before everything. Per role and database, so it holds through
+-- PgBouncer's transaction mode too, where nothing a client SETs per session survives. A
+-- connection's own `options=-c search_path=…` still wins: do not put one in a DATABASE_URL.
+DO $search_path$
+DECLARE
+    name text;
+BEGIN
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_operator', 'inbox_metrics'] LOOP
+        EXECUTE format('ALTER ROLE %I IN DATABASE %I SET search_path = public, pg_temp',
+                       name, current_database());
+    END LOOP;
+END
+$search_path$;
 
 -- Everyone may read the schema version (the ingest's /readyz; `migrate` as the owner).
 GRANT SELECT ON refinery_schema_history TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;

@@ -127,3 +127,30 @@ async fn operator(db: &TestDb, args: &[&str]) -> (i32, String) {
     cmd.env("DATABASE_URL", url_as(db, "inbox_operator")).args(args);
     tokio::task::spawn_blocking(move || run(cmd, Duration::from_secs(30))).await.unwrap()
 }
+
+/// Every component role resolves names through a pinned search_path — the inbox's schema,
+/// temporary objects last (pg_catalog is always searched first) — so a schema named after the role (first in PostgreSQL's default
+/// "$user", public) cannot put its own webhook_inbox in front of the real one.
+#[tokio::test]
+async fn every_component_role_has_a_pinned_search_path_that_a_schema_named_after_it_cannot_shadow() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying deploy/roles.sql");
+    admin
+        .batch_execute(
+            "CREATE SCHEMA inbox_worker;
+             CREATE VIEW inbox_worker.webhook_inbox AS SELECT 'decoy'::text AS provider;
+             GRANT USAGE ON SCHEMA inbox_worker TO inbox_worker;
+             GRANT SELECT ON inbox_worker.webhook_inbox TO inbox_worker;",
+        )
+        .await
+        .unwrap();
+    for role in ["inbox_owner", "inbox_ingest", "inbox_worker", "inbox_operator", "inbox_metrics"] {
+        let client = inbox_test_support::db::connect(&config_as(&db, role)).await;
+        let path: String = client.query_one("SHOW search_path", &[]).await.unwrap().get(0);
+        assert_eq!(path, "public, pg_temp", "{role}");
+        let resolved: String =
+            client.query_one("SELECT to_regclass('webhook_inbox')::text", &[]).await.unwrap().get(0);
+        assert_eq!(resolved, "webhook_inbox", "{role} resolves the inbox's own table");
+    }
+}
