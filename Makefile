@@ -53,12 +53,18 @@ bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); t
 	$(WITH_DB) target/release/bench $(BENCH_ARGS)
 
 .PHONY: deps
-deps: ## Install what the tests need beyond the toolchain and PostgreSQL (pgbouncer), if missing
+deps: ## Install what lint and the tests need beyond the toolchain and PostgreSQL (cargo-deny, pgbouncer), if missing
 	scripts/ci-deps.sh
 
-lint: ## rustfmt check and clippy with warnings as errors
+lint: ## rustfmt check, clippy with warnings as errors, cargo deny (licenses, duplicate versions, banned crates, sources)
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	@$(CARGO) deny --version >/dev/null 2>&1 || { echo "cargo-deny is not installed: run 'make deps'" >&2; exit 1; }
+	$(CARGO) deny check licenses bans sources
+
+.PHONY: audit
+audit: ## cargo deny's advisories check: needs the RustSec database from GitHub (not reachable in CI)
+	$(CARGO) deny check advisories
 
 .PHONY: deploy-check
 deploy-check: ## Validate deploy/ manifests, alert rules and dashboard

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# ci-deps.sh: install what the tests need beyond the toolchain and PostgreSQL, from Debian's
-# packages: pgbouncer (the transaction-pooling test; it is skipped, saying so, where pgbouncer is
-# absent). Installs only what is missing; needs root (or passwordless sudo) to install.
+# ci-deps.sh: install what the tests and `make lint` need beyond the toolchain and PostgreSQL:
+# cargo-deny from crates.io (`make lint`'s dependency checks; built once, ~5 min on 2 cores), and
+# from Debian's packages pgbouncer (the transaction-pooling test; it is skipped, saying so, where
+# pgbouncer is absent). Installs only what is missing; needs root (or passwordless sudo) for apt.
 set -euo pipefail
+# The version deny.toml is written for.
+CARGO_DENY_VERSION=0.20.2
+if ! cargo deny --version 2>/dev/null | grep -q " $CARGO_DENY_VERSION\b"; then
+    echo "ci-deps.sh: installing cargo-deny $CARGO_DENY_VERSION (cargo install, a few minutes)" >&2
+    cargo install cargo-deny --locked --version "$CARGO_DENY_VERSION" --quiet
+fi
 missing=()
 command -v pgbouncer >/dev/null 2>&1 || [[ -x /usr/sbin/pgbouncer ]] || missing+=(pgbouncer)
 if ((${#missing[@]} == 0)); then
