@@ -111,6 +111,23 @@ pub fn parse_endpoints<S: AsRef<str>>(entries: &[S]) -> Result<Vec<EndpointSpec>
     Ok(specs)
 }
 
+/// The endpoints configured by `NAME=SECRET[,SECRET…]` entries (flags, the environment) and, when
+/// given, an endpoints file in the `INBOX_ENDPOINTS` format: what the ingest serves, and what
+/// `inbox-worker verify` checks kept signatures with. Errors name the file, never a secret.
+pub fn load_endpoints(
+    entries: &[String],
+    file: Option<&std::path::Path>,
+) -> anyhow::Result<Vec<EndpointSpec>> {
+    use anyhow::Context as _;
+    let mut entries = entries.to_vec();
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the endpoints file {}", path.display()))?;
+        entries.extend(split_endpoint_list(&text));
+    }
+    parse_endpoints(&entries).context("invalid endpoint configuration")
+}
+
 /// Applies `--endpoint-mode` entries, each `NAME=live` or `NAME=test` (or one `;`-separated item
 /// of `INBOX_ENDPOINT_MODES`), to the endpoints configured. Empty entries are skipped; a mode for
 /// an endpoint that is not configured is refused (a typo would otherwise leave the real endpoint

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use inbox_domain::config::{
-    apply_endpoint_modes, parse_byte_size, parse_duration, parse_endpoints, split_endpoint_list, EndpointSpec,
+    apply_endpoint_modes, load_endpoints, parse_byte_size, parse_duration, EndpointSpec,
 };
 use inbox_domain::db::{DatabaseConfig, Pooler};
 use inbox_domain::telemetry::LogFormat;
@@ -159,13 +159,7 @@ impl Cli {
     pub fn into_settings(self) -> anyhow::Result<Settings> {
         let mut database = inbox_domain::db::parse_database_url(&self.database_url)?;
         database.pooler = self.db_pooler;
-        let mut entries = self.endpoints;
-        if let Some(path) = &self.endpoints_file {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading the endpoints file {}", path.display()))?;
-            entries.extend(split_endpoint_list(&text));
-        }
-        let mut endpoints = parse_endpoints(&entries).context("invalid endpoint configuration")?;
+        let mut endpoints = load_endpoints(&self.endpoints, self.endpoints_file.as_deref())?;
         apply_endpoint_modes(&mut endpoints, &self.endpoint_modes)
             .context("invalid endpoint configuration")?;
         if self.tolerance.is_zero() {

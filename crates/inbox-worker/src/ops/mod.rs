@@ -42,6 +42,17 @@ pub const LIMITS: TransactionLimits = TransactionLimits {
     idle_timeout: Duration::from_secs(60),
 };
 
+/// The one stored event a command works on (`replay`, `verify`).
+#[derive(Debug, Args, Clone)]
+pub struct EventArgs {
+    /// The event's id (`evt_…`).
+    #[arg(long)]
+    pub event_id: String,
+    /// Its endpoint (needed when the id is stored for several endpoints).
+    #[arg(long)]
+    pub endpoint: Option<String>,
+}
+
 /// Who is acting, for `operator_audit`.
 #[derive(Debug, Args, Clone)]
 pub struct ActorArgs {

@@ -14,17 +14,13 @@ use inbox_domain::PROVIDER_STRIPE;
 use serde::Serialize;
 
 use super::output::{emit, emit_json, OutputArgs};
-use super::{db_error, lock_one_event, ActorArgs, LIMITS};
+use super::{db_error, lock_one_event, ActorArgs, EventArgs, LIMITS};
 
 /// Flags of `replay`.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// The processed event to run again.
-    #[arg(long)]
-    pub event_id: String,
-    /// Its endpoint (needed when the id is stored for several endpoints).
-    #[arg(long)]
-    pub endpoint: Option<String>,
+    #[command(flatten)]
+    pub event: EventArgs,
     #[command(flatten)]
     pub actor: ActorArgs,
     #[command(flatten)]
@@ -40,8 +36,8 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
     set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
-    let event_id = args.event_id.as_str();
-    let row = lock_one_event(&*tx, event_id, args.endpoint.as_deref()).await?;
+    let event_id = args.event.event_id.as_str();
+    let row = lock_one_event(&*tx, event_id, args.event.endpoint.as_deref()).await?;
     if row.processed_at.is_none() {
         anyhow::bail!(
             "event {event_id} (endpoint {}) is not processed yet; requeue it instead \

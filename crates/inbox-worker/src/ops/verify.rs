@@ -8,23 +8,19 @@
 //! matches), 1 otherwise, with the report printed either way.
 
 use clap::Args as ClapArgs;
-use inbox_domain::config::{parse_endpoints, split_endpoint_list};
+use inbox_domain::config::load_endpoints;
 use inbox_domain::inbox::signature::Verifier;
 use inbox_domain::inbox::store::admin::{self, Evidence};
 use serde::Serialize;
 
-use super::db_error;
 use super::output::{emit, emit_json, OutputArgs};
+use super::{db_error, EventArgs};
 
 /// Flags of `verify`.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// The event to check.
-    #[arg(long)]
-    pub event_id: String,
-    /// Its endpoint (needed when the id is stored for several endpoints).
-    #[arg(long)]
-    pub endpoint: Option<String>,
+    #[command(flatten)]
+    pub event: EventArgs,
     /// The endpoints' signing secrets, as the ingest takes them: NAME=SECRET[,SECRET…]
     /// (repeatable; the environment form separates endpoints with `;`).
     #[arg(
@@ -67,12 +63,14 @@ struct Report {
 
 /// `verify`.
 pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Args) -> anyhow::Result<()> {
-    let event_id = args.event_id.as_str();
-    let mut rows = admin::evidence(client, event_id, args.endpoint.as_deref())
+    let event_id = args.event.event_id.as_str();
+    let mut rows = admin::evidence(client, event_id, args.event.endpoint.as_deref())
         .await
         .map_err(db_error("reading the event"))?;
     let row: Evidence = match rows.len() {
-        0 => anyhow::bail!("no event {event_id} in the inbox{}", for_endpoint(args.endpoint.as_deref())),
+        0 => {
+            anyhow::bail!("no event {event_id} in the inbox{}", for_endpoint(args.event.endpoint.as_deref()))
+        }
         1 => rows.remove(0),
         _ => {
             let names: Vec<&str> = rows.iter().map(|r| r.endpoint.as_str()).collect();
@@ -134,19 +132,13 @@ fn for_endpoint(endpoint: Option<&str>) -> String {
 
 /// The configured secrets of `endpoint`, from --secrets / INBOX_ENDPOINTS and the file.
 fn verifier_for(args: &Args, endpoint: &str) -> anyhow::Result<Verifier> {
-    let mut entries = args.secrets.clone();
-    if let Some(path) = &args.secrets_file {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("reading the secrets file {}: {e}", path.display()))?;
-        entries.extend(split_endpoint_list(&text));
-    }
-    if entries.iter().all(|e| e.trim().is_empty()) {
+    if args.secrets.iter().all(|e| e.trim().is_empty()) && args.secrets_file.is_none() {
         anyhow::bail!(
             "no signing secrets given: pass --secrets {endpoint}=whsec_… or set INBOX_ENDPOINTS / \
              INBOX_ENDPOINTS_FILE as for the ingest"
         );
     }
-    let specs = parse_endpoints(&entries).map_err(|e| anyhow::anyhow!("invalid secrets: {e}"))?;
+    let specs = load_endpoints(&args.secrets, args.secrets_file.as_deref())?;
     let spec = specs
         .iter()
         .find(|s| s.name == endpoint)

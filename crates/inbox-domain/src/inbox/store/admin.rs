@@ -189,13 +189,20 @@ pub struct QueueGauges {
 pub async fn queue_gauges(
     client: &(impl GenericClient + Sync),
 ) -> Result<QueueGauges, tokio_postgres::Error> {
-    let row = client.query_typed_one(QUEUE_GAUGES_SQL, &[]).await?;
-    Ok(QueueGauges {
-        unprocessed: row.get("unprocessed"),
-        oldest_unprocessed_age_seconds: row.get("oldest_unprocessed_age_seconds"),
-        needs_review: row.get("needs_review"),
-        ready: row.get("ready"),
-    })
+    Ok(QueueGauges::from_row(&client.query_typed_one(QUEUE_GAUGES_SQL, &[]).await?))
+}
+
+impl QueueGauges {
+    /// The gauges from a row with their four columns by name ([`QUEUE_GAUGES_SQL`], and the
+    /// shared figures of `store::gauges`).
+    pub fn from_row(row: &tokio_postgres::Row) -> Self {
+        QueueGauges {
+            unprocessed: row.get("unprocessed"),
+            oldest_unprocessed_age_seconds: row.get("oldest_unprocessed_age_seconds"),
+            needs_review: row.get("needs_review"),
+            ready: row.get("ready"),
+        }
+    }
 }
 
 // ----------------------------------------------------------------------------- parked rows

@@ -12,26 +12,29 @@ use tokio_postgres::Client;
 use super::admin::QueueGauges;
 use super::{set_limits, TransactionLimits};
 
+/// The shared figures as a select list over `queue_gauges`, the oldest age brought up to now (a
+/// string literal, for `concat!`).
+macro_rules! shared_figures {
+    () => {
+        "unprocessed, ready, needs_review,
+       CASE WHEN unprocessed > 0
+            THEN oldest_unprocessed_age_seconds + extract(epoch FROM now() - refreshed_at)::float8
+            ELSE 0 END AS oldest_unprocessed_age_seconds
+  FROM queue_gauges"
+    };
+}
+
 /// Takes the shared row when it is older than `$1` seconds and nobody else is refreshing it
 /// (SKIP LOCKED: a worker never waits for another's count). No row: another worker is counting
 /// right now. `stale` false: fresh enough, here are the figures.
-pub const TAKE_STALE_SQL: &str = "\
-SELECT refreshed_at <= now() - make_interval(secs => $1) AS stale,
-       unprocessed, ready, needs_review,
-       CASE WHEN unprocessed > 0
-            THEN oldest_unprocessed_age_seconds + extract(epoch FROM now() - refreshed_at)::float8
-            ELSE 0 END AS oldest_unprocessed_age_seconds
-  FROM queue_gauges
-   FOR UPDATE SKIP LOCKED";
+pub const TAKE_STALE_SQL: &str = concat!(
+    "SELECT refreshed_at <= now() - make_interval(secs => $1) AS stale,\n       ",
+    shared_figures!(),
+    "\n   FOR UPDATE SKIP LOCKED"
+);
 
-/// The shared figures, without waiting for a refresh in progress (the oldest age brought up to
-/// now as in [`TAKE_STALE_SQL`]).
-pub const READ_SQL: &str = "\
-SELECT false AS stale, unprocessed, ready, needs_review,
-       CASE WHEN unprocessed > 0
-            THEN oldest_unprocessed_age_seconds + extract(epoch FROM now() - refreshed_at)::float8
-            ELSE 0 END AS oldest_unprocessed_age_seconds
-  FROM queue_gauges";
+/// The shared figures, without waiting for a refresh in progress.
+pub const READ_SQL: &str = concat!("SELECT false AS stale, ", shared_figures!());
 
 /// Writes a fresh count (`$1..$4`), on the row [`TAKE_STALE_SQL`] locked.
 pub const WRITE_SQL: &str = "\
@@ -66,18 +69,9 @@ pub async fn refresh(
             tx.execute_typed(WRITE_SQL, &params).await?;
             (gauges, true)
         }
-        Some(row) => (from_row(row), false),
-        None => (from_row(&tx.query_typed_one(READ_SQL, &[]).await?), false),
+        Some(row) => (QueueGauges::from_row(row), false),
+        None => (QueueGauges::from_row(&tx.query_typed_one(READ_SQL, &[]).await?), false),
     };
     tx.commit().await?;
     Ok((gauges, counted))
-}
-
-fn from_row(row: &tokio_postgres::Row) -> QueueGauges {
-    QueueGauges {
-        unprocessed: row.get("unprocessed"),
-        ready: row.get("ready"),
-        needs_review: row.get("needs_review"),
-        oldest_unprocessed_age_seconds: row.get("oldest_unprocessed_age_seconds"),
-    }
 }
