@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod broken_orderings;
+mod connection;
 mod group_commit;
 mod hygiene;
 mod ingest_faults;

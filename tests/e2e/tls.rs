@@ -126,3 +126,42 @@ async fn post_webhook(base: &str, signature: &str, body: Vec<u8>) -> String {
     request.extend_from_slice(&body);
     inbox_test_support::app::raw_request(base, &request).await
 }
+
+#[tokio::test]
+async fn verify_ca_checks_the_chain_itself_and_the_system_roots_serve_only_verify_full() {
+    let cluster = tokio::task::spawn_blocking(TlsCluster::start).await.unwrap();
+    let (ca, other) = (cluster.ca.display().to_string(), cluster.other_ca.display().to_string());
+
+    // verify-ca: a certificate of the right CA for another name passes; one of another CA fails,
+    // and fails for its CA even when its name is wrong too (the name is never looked at).
+    let (code, _, output) = worker(
+        &cluster.url("postgres", "127.0.0.1", &format!("sslmode=verify-ca&sslrootcert={ca}")),
+        &["migrate"],
+    )
+    .await;
+    assert_eq!(code, 0, "the right CA, another name: {output}");
+    refused(
+        &cluster.url("postgres", "127.0.0.1", &format!("sslmode=verify-ca&sslrootcert={other}")),
+        "not signed by a CA of sslrootcert",
+    )
+    .await;
+    // require with a CA file acts as verify-ca, as libpq does.
+    refused(
+        &cluster.url("postgres", "127.0.0.1", &format!("sslmode=require&sslrootcert={other}")),
+        "not signed by a CA of sslrootcert",
+    )
+    .await;
+
+    // The system's CA store would let any public certificate for any name pass verify-ca or
+    // require: refused before connecting, naming verify-full, given or implied.
+    for params in
+        ["sslmode=verify-ca&sslrootcert=system", "sslmode=require&sslrootcert=system", "sslmode=verify-ca"]
+    {
+        refused(&cluster.url("postgres", "localhost", params), "verify-full").await;
+    }
+    // verify-full may use it (and sslrootcert=system alone means verify-full, as in libpq 16): the
+    // test CA is in no system store, so the server is refused for its issuer.
+    for params in ["sslmode=verify-full&sslrootcert=system", "sslrootcert=system", "sslmode=verify-full"] {
+        refused(&cluster.url("postgres", "localhost", params), "not signed by a CA").await;
+    }
+}

@@ -12,8 +12,7 @@ use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 /// Listens until `shutdown`, reconnecting after failures; the poll interval covers the gaps.
-pub async fn run(mut database: DatabaseConfig, wake: Arc<Notify>, shutdown: CancellationToken) {
-    database.config.application_name("inbox-worker-listener");
+pub async fn run(database: DatabaseConfig, wake: Arc<Notify>, shutdown: CancellationToken) {
     let mut delay = Duration::from_millis(200);
     loop {
         tokio::select! {
@@ -35,7 +34,7 @@ pub async fn run(mut database: DatabaseConfig, wake: Arc<Notify>, shutdown: Canc
 }
 
 async fn listen(database: &DatabaseConfig, wake: &Notify) -> Result<(), tokio_postgres::Error> {
-    let (client, mut connection) = database.config.connect(database.connector()).await?;
+    let (client, mut connection) = database.open("inbox-worker-listener").await?;
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
     let subscribe = client.batch_execute(LISTEN_SQL);
     tokio::pin!(subscribe);

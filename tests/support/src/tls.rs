@@ -1,7 +1,8 @@
 //! A PostgreSQL cluster of its own that takes TCP connections over TLS only (`hostssl` in
 //! `pg_hba.conf`), with certificates made at start: a CA and a server certificate it signs for
-//! `localhost`, another CA that signs nothing of this server, and a client certificate for the
-//! role `inbox_cert`, which may log in by certificate only.
+//! `localhost`, another CA that signs nothing of this server, a client certificate for the
+//! role `inbox_cert`, which may log in by certificate only, and role `inbox_pw`, which logs in
+//! with a password (SCRAM) only.
 //!
 //! Needs `initdb`, `pg_ctl`, `psql` and `openssl` on PATH; as root, the server runs as the
 //! `postgres` user, as `scripts/pg.sh` runs the shared cluster.
@@ -11,6 +12,9 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// The password role `inbox_pw` is created with.
+pub const PASSWORD: &str = "first-Secret?&@:/";
 
 /// A running TLS-only cluster, stopped and deleted when dropped.
 pub struct TlsCluster {
@@ -164,6 +168,7 @@ impl TlsCluster {
         );
         let hba = "local all all trust\n\
                    hostssl all inbox_cert 127.0.0.1/32 cert\n\
+                   hostssl all inbox_pw 127.0.0.1/32 scram-sha-256\n\
                    hostssl all all 127.0.0.1/32 trust\n";
         // Written by the server's user: the files are in its directory.
         for (file, text) in [("postgresql.auto.conf", conf.as_str()), ("pg_hba.conf", hba)] {
@@ -192,6 +197,8 @@ impl TlsCluster {
                 "CREATE DATABASE inbox",
                 "-c",
                 "CREATE ROLE inbox_cert SUPERUSER LOGIN",
+                "-c",
+                &format!("CREATE ROLE inbox_pw SUPERUSER LOGIN PASSWORD '{PASSWORD}'"),
             ]);
         run(psql, "psql");
         TlsCluster {
@@ -202,6 +209,19 @@ impl TlsCluster {
             dir,
             port,
         }
+    }
+
+    /// Runs `sql` on database `inbox` as the superuser, over the cluster's Unix socket; returns
+    /// what psql printed (unaligned, tuples only).
+    pub fn psql(&self, sql: &str) -> String {
+        let output = Command::new("psql")
+            .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h"])
+            .arg(&self.dir)
+            .args(["-p", &self.port.to_string(), "-U", "postgres", "-d", "inbox", "-c", sql])
+            .output()
+            .expect("psql");
+        assert!(output.status.success(), "psql {sql}: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
     }
 
     /// `postgres://{user}@{host}:{port}/inbox?{params}`. `host` is what the certificate is checked

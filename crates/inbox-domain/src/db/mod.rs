@@ -1,8 +1,8 @@
 //! Connections to PostgreSQL, as both binaries make them: the connection string with its TLS
 //! settings ([`DatabaseConfig`]), pools, and error texts that name the cause.
 
+pub mod conninfo;
 pub mod tls;
-pub mod url;
 
 use std::time::Duration;
 
@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-pub use url::{RootCerts, SslMode, TlsSettings};
+pub use conninfo::{PasswordSource, RootCerts, SslMode, TlsSettings};
 
 /// What stands between the binaries and PostgreSQL (`--db-pooler`, `INBOX_DB_POOLER`).
 ///
@@ -42,16 +42,29 @@ impl std::str::FromStr for Pooler {
     }
 }
 
-/// Where the database is and how to reach it: tokio-postgres' settings, the TLS settings, and the
-/// connector built from them (certificate files are read when it is built, at start-up). Every
-/// connection of every binary goes through [`DatabaseConfig::connector`].
+/// Where the database is and how to reach it: tokio-postgres' settings, the TLS settings and the
+/// connector built from them (certificate files are read when it is built, at start-up), and where
+/// a new connection's password comes from. Every connection of every binary is opened by
+/// [`DatabaseConfig::open`] or a pool built by [`build_pool`], which read a password file again
+/// for each.
 #[derive(Clone)]
 pub struct DatabaseConfig {
-    /// Host, port, user, password, database, options… (its Debug output redacts the password).
+    /// Host, port, user, database, options…, and the password when it is fixed (its Debug output
+    /// redacts it).
     pub config: tokio_postgres::Config,
     pub tls: TlsSettings,
+    /// A password read for every new connection (a rotated file, a pgpass file), or none.
+    pub password: PasswordSource,
     /// A transaction-mode pool in between, or not.
     pub pooler: Pooler,
+    /// Whether the user named the `application_name` (then each component's own name is not put
+    /// in its place).
+    application_name_given: bool,
+    /// Whether the user set `keepalives_idle` (then the pools' shorter one is not put in its place).
+    keepalives_idle_given: bool,
+    /// The last password read from the password file: used when a later read fails (a file being
+    /// replaced), so one bad read does not stop every new connection.
+    last_password: std::sync::Arc<std::sync::Mutex<Option<String>>>,
     connector: MakeRustlsConnect,
 }
 
@@ -59,7 +72,16 @@ impl DatabaseConfig {
     /// `config` with `tls`; fails when a certificate file cannot be read or used.
     pub fn new(config: tokio_postgres::Config, tls: TlsSettings) -> anyhow::Result<Self> {
         let connector = tls::connector(&tls)?;
-        Ok(DatabaseConfig { config, tls, pooler: Pooler::None, connector })
+        Ok(DatabaseConfig {
+            config,
+            tls,
+            password: PasswordSource::Fixed,
+            pooler: Pooler::None,
+            application_name_given: false,
+            keepalives_idle_given: false,
+            last_password: Default::default(),
+            connector,
+        })
     }
 
     /// The TLS connector for tokio-postgres (used whatever the mode: with `disable` it never
@@ -68,15 +90,69 @@ impl DatabaseConfig {
         self.connector.clone()
     }
 
-    /// One connection, outside any pool (the worker's LISTEN connection, `migrate`), with the
-    /// connection driven on the current runtime until the client is dropped.
+    /// Names the connections of a component (`pg_stat_activity.application_name`) unless the user
+    /// named them (libpq's `fallback_application_name`).
+    pub fn name_connections(&mut self, application_name: &str) {
+        if !self.application_name_given {
+            self.config.application_name(application_name);
+        }
+    }
+
+    /// The settings for one new connection: `config` with the password read now when it comes
+    /// from a file. A password file that cannot be read now is logged and its last password used.
+    pub fn settings_for_new_connection(&self, config: &tokio_postgres::Config) -> tokio_postgres::Config {
+        let mut config = config.clone();
+        match &self.password {
+            PasswordSource::Fixed => {}
+            PasswordSource::File(path) => {
+                let mut last = self.last_password.lock().unwrap_or_else(|e| e.into_inner());
+                match conninfo::read_password_file(path) {
+                    Ok(password) => *last = Some(password),
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the password file: using the password read before")
+                    }
+                }
+                if let Some(password) = last.as_ref() {
+                    config.password(password.as_bytes());
+                }
+            }
+            PasswordSource::Pgpass(path) => {
+                let user = config.get_user().unwrap_or_default().to_owned();
+                let dbname = config.get_dbname().unwrap_or_default().to_owned();
+                let ports = config.get_ports().to_vec();
+                let found = config.get_hosts().iter().enumerate().find_map(|(i, host)| {
+                    let host = match host {
+                        tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                        tokio_postgres::config::Host::Unix(_) => String::new(),
+                    };
+                    let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                    conninfo::pgpass_lookup(path, &host, port, &dbname, &user)
+                });
+                if let Some(password) = found {
+                    config.password(password);
+                }
+            }
+        }
+        config
+    }
+
+    /// One connection, outside any pool (the worker's LISTEN connection, `migrate`), with its
+    /// `Connection` to drive.
+    pub async fn open(
+        &self,
+        application_name: &str,
+    ) -> Result<(tokio_postgres::Client, Connection), tokio_postgres::Error> {
+        let mut named = self.clone();
+        named.name_connections(application_name);
+        named.settings_for_new_connection(&named.config).connect(self.connector()).await
+    }
+
+    /// One connection, outside any pool, driven on the current runtime until the client is dropped.
     pub async fn connect(
         &self,
         application_name: &str,
     ) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
-        let mut config = self.config.clone();
-        config.application_name(application_name);
-        let (client, connection) = config.connect(self.connector()).await?;
+        let (client, connection) = self.open(application_name).await?;
         tokio::spawn(connection);
         Ok(client)
     }
@@ -87,6 +163,7 @@ impl std::fmt::Debug for DatabaseConfig {
         f.debug_struct("DatabaseConfig")
             .field("config", &self.config)
             .field("tls", &self.tls)
+            .field("password", &self.password)
             .field("pooler", &self.pooler)
             .finish()
     }
@@ -103,10 +180,48 @@ impl From<tokio_postgres::Config> for DatabaseConfig {
             _ => SslMode::Prefer,
         };
         let tls = TlsSettings { mode, root_certs: None, client_cert: None };
-        let connector = tls::connector(&tls).expect("a connector that verifies nothing reads no file");
-        DatabaseConfig { config, tls, pooler: Pooler::None, connector }
+        DatabaseConfig::new(config, tls).expect("a connector that verifies nothing reads no file")
     }
 }
+
+/// Opens pooled connections as [`DatabaseConfig::open`] does: the password read for each.
+struct PoolConnector(DatabaseConfig);
+
+impl deadpool_postgres::Connect for PoolConnector {
+    fn connect(
+        &self,
+        pg_config: &tokio_postgres::Config,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<
+                        (tokio_postgres::Client, tokio::task::JoinHandle<()>),
+                        tokio_postgres::Error,
+                    >,
+                > + Send
+                + '_,
+        >,
+    > {
+        let config = self.0.settings_for_new_connection(pg_config);
+        let tls = self.0.connector();
+        Box::pin(async move {
+            let (client, connection) = config.connect(tls).await?;
+            let driver = tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::debug!(error = %describe_db_error(&e), "database connection closed");
+                }
+            });
+            Ok((client, driver))
+        })
+    }
+}
+
+/// A connection's I/O half, as [`DatabaseConfig::open`] returns it: poll it (or spawn it) to drive
+/// the client.
+pub type Connection = tokio_postgres::Connection<
+    tokio_postgres::Socket,
+    <MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>>::Stream,
+>;
 
 /// How a pool is sized and bounded.
 #[derive(Debug, Clone)]
@@ -131,12 +246,20 @@ pub struct PoolOptions {
     pub verify_on_checkout: bool,
 }
 
-/// Parses a `DATABASE_URL` (URL or key=value form, with libpq's TLS settings: see [`url`] and
-/// [`tls`]) and reads the certificate files it names. The error never repeats the URL, which may
-/// hold a password.
+/// Parses a `DATABASE_URL` (URL or key=value form) as libpq does, the `PG*` environment and
+/// `DATABASE_PASSWORD_FILE` filling what it leaves out (see [`conninfo`]), and reads the
+/// certificate files it names ([`tls`]). The error never repeats the string, which may hold a
+/// password; warnings (an insecure pgpass file ignored) are logged.
 pub fn parse_database_url(url: &str) -> anyhow::Result<DatabaseConfig> {
-    let (config, tls) = url::split(url)?;
-    DatabaseConfig::new(config, tls)
+    let info = conninfo::resolve(url, &conninfo::ProcessEnvironment)?;
+    for warning in &info.warnings {
+        tracing::warn!("{warning}");
+    }
+    let mut database = DatabaseConfig::new(info.config, info.tls)?;
+    database.password = info.password;
+    database.application_name_given = info.application_name_given;
+    database.keepalives_idle_given = info.keepalives_idle_given;
+    Ok(database)
 }
 
 /// Builds a pool. Connections are opened lazily; call [`check_reachable`] to fail fast at start-up.
@@ -147,16 +270,19 @@ pub fn parse_database_url(url: &str) -> anyhow::Result<DatabaseConfig> {
 /// the service recovers by itself when the database returns; with `verify_on_checkout` also one
 /// the network dropped without a word (see [`PoolOptions::verify_on_checkout`]).
 pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Result<Pool> {
+    let mut database = database.clone();
+    database.name_connections(opts.application_name);
     let mut pg = database.config.clone();
-    pg.application_name(opts.application_name);
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(opts.timeout);
     }
-    pg.keepalives(true);
-    pg.keepalives_idle(Duration::from_secs(30));
+    if !database.keepalives_idle_given {
+        pg.keepalives(true);
+        pg.keepalives_idle(Duration::from_secs(30));
+    }
     let recycling_method =
         if opts.verify_on_checkout { RecyclingMethod::Verified } else { RecyclingMethod::Fast };
-    let manager = Manager::from_config(pg, database.connector(), ManagerConfig { recycling_method });
+    let manager = Manager::from_connect(pg, PoolConnector(database), ManagerConfig { recycling_method });
     let mut builder = Pool::builder(manager);
     if let Some(timeout) = opts.session_statement_timeout {
         let set = format!("SET statement_timeout = {}", timeout.as_millis().max(1));

@@ -1,18 +1,17 @@
 //! TLS to PostgreSQL with rustls: libpq's `sslmode`, `sslrootcert`, `sslcert` and `sslkey`,
 //! turned into the connector every connection of every binary uses.
 //!
-//! | sslmode | TLS | the server's certificate |
-//! |---|---|---|
-//! | `disable` | never | – |
-//! | `allow`, `prefer` | when the server offers it | not checked |
-//! | `require` | always | not checked; with `sslrootcert`, as `verify-ca` (as libpq) |
-//! | `verify-ca` | always | signed by a CA of `sslrootcert` (default: the system's store) |
-//! | `verify-full` | always | that, and issued for the host connected to |
+//! | sslmode | TLS | the server's certificate | what it proves |
+//! |---|---|---|---|
+//! | `disable` | never | – | nothing: in clear |
+//! | `allow`, `prefer` | when the server offers it | not checked | nothing against an active attacker |
+//! | `require` | always | not checked; with a CA file, as `verify-ca` (as libpq) | encrypted, to whoever answers |
+//! | `verify-ca` | always | chains to a CA of the `sslrootcert` file | the server holds a certificate of *your* CA |
+//! | `verify-full` | always | chains to a trusted CA and names the host connected to | it is the host you named |
 //!
-//! Decision: libpq reads `~/.postgresql/root.crt` when `sslrootcert` is absent and fails when it
-//! is missing; here a `verify-*` mode without `sslrootcert` uses the system's CA store (libpq's
-//! `sslrootcert=system`), which is what managed servers with public certificates need and what a
-//! container has.
+//! The system's CA store (`sslrootcert=system`, or `verify-full` without a CA file) is trusted
+//! only by `verify-full`: a public CA signs certificates for anybody's names, so a chain check
+//! without the name would let any of them through ([`super::conninfo`] refuses the rest).
 
 use std::sync::Arc;
 
@@ -22,33 +21,35 @@ use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::ParsedCertificate;
 use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::url::{RootCerts, SslMode, TlsSettings};
+use super::conninfo::{RootCerts, SslMode, TlsSettings};
 
 /// The connector for `settings`: reads the CA and client certificate files now, so that a
 /// missing or unreadable file is a start-up refusal naming it.
 pub fn connector(settings: &TlsSettings) -> anyhow::Result<MakeRustlsConnect> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verify = match (settings.mode, &settings.root_certs) {
-        (SslMode::VerifyFull, _) => Verify::Full,
-        (SslMode::VerifyCa, _) | (SslMode::Require, Some(_)) => Verify::Chain,
-        _ => Verify::Nothing,
-    };
-    let verifier: Arc<dyn ServerCertVerifier> = match verify {
-        Verify::Nothing => Arc::new(Unchecked(provider.clone())),
-        Verify::Chain | Verify::Full => {
-            let roots = Arc::new(root_store(settings.root_certs.as_ref().unwrap_or(&RootCerts::System))?);
-            let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+    let verifier: Arc<dyn ServerCertVerifier> = match (settings.mode, &settings.root_certs) {
+        (SslMode::VerifyFull, Some(roots)) => {
+            WebPkiServerVerifier::builder_with_provider(Arc::new(root_store(roots)?), provider.clone())
                 .build()
-                .context("building the certificate verifier")?;
-            if verify == Verify::Full {
-                webpki
-            } else {
-                Arc::new(ChainOnly(webpki))
-            }
+                .context("building the certificate verifier")?
         }
+        (SslMode::VerifyCa | SslMode::Require, Some(RootCerts::File(file))) => {
+            let roots = root_store(&RootCerts::File(file.clone()))?;
+            Arc::new(ChainOnly { roots: Arc::new(roots), provider: provider.clone() })
+        }
+        (SslMode::VerifyCa | SslMode::Require, Some(RootCerts::System))
+        | (SslMode::VerifyFull | SslMode::VerifyCa, None) => {
+            anyhow::bail!(
+                "sslmode={} with the system's CA store would trust any public certificate: only \
+                 sslmode=verify-full may use it",
+                settings.mode.as_str()
+            )
+        }
+        _ => Arc::new(Unchecked(provider.clone())),
     };
     let builder = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -85,7 +86,7 @@ pub fn hint(error: &tokio_postgres::Error) -> Option<&'static str> {
             return Some(match reason {
                 CertificateError::UnknownIssuer | CertificateError::BadSignature => {
                     "the server's certificate is not signed by a CA of sslrootcert (or of the system's \
-                     store when sslrootcert is not set)"
+                     store, for verify-full without sslrootcert)"
                 }
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => {
                     "the server's certificate is not issued for the host in DATABASE_URL (sslmode=verify-full \
@@ -100,13 +101,6 @@ pub fn hint(error: &tokio_postgres::Error) -> Option<&'static str> {
         source = cause.source();
     }
     None
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verify {
-    Nothing,
-    Chain,
-    Full,
 }
 
 fn root_store(roots: &RootCerts) -> anyhow::Result<RootCertStore> {
@@ -132,26 +126,33 @@ fn root_store(roots: &RootCerts) -> anyhow::Result<RootCertStore> {
     Ok(store)
 }
 
-/// `verify-ca`: the chain to a trusted CA, whatever host the certificate names. rustls checks the
-/// chain before the name, so a name error means the chain was good.
+/// `verify-ca`: the certificate chains to a CA of the `sslrootcert` file, whatever host it names.
+/// The chain is checked by rustls' trust-anchor check itself, the name never looked at — not by
+/// the full check with its name error forgiven, which would lean on the order of its checks.
 #[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+struct ChainOnly {
+    roots: Arc<RootCertStore>,
+    provider: Arc<CryptoProvider>,
+}
 
 impl ServerCertVerifier for ChainOnly {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
         intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp_response: &[u8],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
-            Err(rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
-            other => other,
-        }
+        let certificate = ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &certificate,
+            &self.roots,
+            intermediates,
+            now,
+            self.provider.signature_verification_algorithms.all,
+        )?;
+        Ok(ServerCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -160,7 +161,12 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -169,11 +175,16 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.provider.signature_verification_algorithms.supported_schemes()
     }
 }
 
