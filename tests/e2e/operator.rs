@@ -1100,23 +1100,32 @@ async fn purge_stopped_by_sigterm_ends_after_its_batch_and_is_on_record() {
 }
 
 #[tokio::test]
-async fn purge_never_goes_under_the_signature_tolerance_even_with_force() {
+async fn purge_never_goes_under_twice_the_ingests_signature_tolerance_even_with_force() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    seed(&client, &[processed("evt_2m", 120.0), processed("evt_4m", 240.0), processed("evt_10m", 600.0)])
+    seed(&client, &[processed("evt_2m", 120.0), processed("evt_8m", 480.0), processed("evt_15m", 900.0)])
         .await;
 
-    for age in ["4m", "299s", "0"] {
+    // The default tolerance is 5m: a signature up to 5m in the future is accepted until 5m after
+    // it, 10m after the row arrived.
+    for age in ["9m", "599s", "5m", "0"] {
         let output = refused(&db, &["purge", "--older-than", age, "--force"]).await;
-        assert!(output.contains("signature tolerance (5m)") && output.contains("--force"), "{output}");
+        assert!(output.contains("twice the ingest's signature tolerance (5m × 2 = 10m"), "{output}");
+        assert!(output.contains("--force"), "{output}");
     }
+    // The ingest's own tolerance, from the variable it reads: 1h keeps rows younger than 2h.
+    let mut cmd = worker(&db, &["purge", "--older-than", "1h", "--force"]);
+    cmd.env("INBOX_SIGNATURE_TOLERANCE", "1h");
+    let (code, output) = tokio::task::spawn_blocking(move || run(cmd, TIMEOUT)).await.unwrap();
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("(1h × 2 = 2h"), "{output}");
     assert_eq!(db.count("webhook_inbox").await, 3, "nothing deleted");
     assert!(audit(&client).await.is_empty());
 
-    let output = ok(&db, &["purge", "--older-than", "5m", "--force"]).await;
+    let output = ok(&db, &["purge", "--older-than", "10m", "--force"]).await;
     assert!(output.contains("deleted 1 processed row "), "{output}");
     let left: Vec<String> = column(&client, "SELECT event_id FROM webhook_inbox ORDER BY event_id").await;
-    assert_eq!(left, ["evt_2m", "evt_4m"]);
+    assert_eq!(left, ["evt_2m", "evt_8m"]);
 }
 
 #[tokio::test]

@@ -130,6 +130,34 @@ impl ToSql for JsonBytes<'_> {
     to_sql_checked!();
 }
 
+/// Bytes passed to PostgreSQL as `bytea` (a body kept byte for byte, a signature), printed by
+/// their size only: the driver's debug logs list parameters, and a raw body holds customer data
+/// as surely as its `jsonb` copy ([`JsonBytes`]).
+#[derive(Clone, Copy)]
+pub struct RawBytes<'a>(pub &'a [u8]);
+
+impl std::fmt::Debug for RawBytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RawBytes({} bytes)", self.0.len())
+    }
+}
+
+impl ToSql for RawBytes<'_> {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        self.0.to_sql(ty, out)
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        <&[u8] as ToSql>::accepts(ty)
+    }
+
+    to_sql_checked!();
+}
+
 /// A verified event as stored in the inbox, as handlers see it.
 ///
 /// The payload stays JSON text: handlers read the fields they need through the accessors, which

@@ -1,8 +1,8 @@
 //! `purge`: deletes processed rows older than an age, in batches, each its own short transaction
 //! under the operator limits ([`super::LIMITS`]: statement and lock timeouts).
 //!
-//! Ages: under Stripe's 3-day retry window only with `--force`; under the signature tolerance
-//! (5 minutes) never, `--force` or not.
+//! Ages: under Stripe's 3-day retry window only with `--force`; under twice the ingest's
+//! signature tolerance (`--tolerance`, 5 minutes by default) never, `--force` or not.
 //!
 //! Audit (insert-only, see `admin::INSERT_AUDIT_SQL`): a record is written before the first
 //! delete (`affected` 0: the cutoff, the batch size, `--force`), so even a purge that dies in its
@@ -42,9 +42,14 @@ pub struct Args {
     #[arg(long)]
     pub dry_run: bool,
     /// Allow an age under Stripe's 3-day retry window (a redelivery could then be applied again);
-    /// never under the signature tolerance (5m).
+    /// never under twice the ingest's signature tolerance (10m by default).
     #[arg(long)]
     pub force: bool,
+    /// The ingest's signature tolerance (its --tolerance): a request it still accepts must find
+    /// its row, so rows are never purged younger than twice this (a signature may be that far in
+    /// the past, and that far in the future). Read from the same variable as the ingest's.
+    #[arg(long, env = "INBOX_SIGNATURE_TOLERANCE", default_value = "5m", value_parser = parse_duration)]
+    pub tolerance: Duration,
     /// Rows deleted per transaction.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
     pub batch_size: i64,
@@ -58,11 +63,14 @@ pub struct Args {
 /// of its event from being applied again.
 pub const STRIPE_RETRY_WINDOW: Duration = Duration::from_secs(3 * 24 * 3600);
 
-/// The ingest's default signature tolerance (`--tolerance`, 5m): a request signed that recently is
-/// still accepted, so the very same request — replayed by whoever captured it — would be stored
-/// and applied again if its row were gone. `--force` does not go under it. (An ingest run with a
-/// larger tolerance needs a purge age above that tolerance; clocks are assumed in sync.)
-pub const SIGNATURE_TOLERANCE_FLOOR: Duration = Duration::from_secs(5 * 60);
+/// The youngest rows `purge` may delete, `--force` or not: twice the ingest's signature
+/// tolerance. The ingest accepts a signature whose `t` is up to `tolerance` in the past or in the
+/// future, so the very same request — replayed by whoever captured it — is accepted until `t +
+/// tolerance`, at most `2 × tolerance` after the row was received (and processed_at is later
+/// still): were its row gone, it would be stored and applied again. Clocks are assumed in sync.
+pub fn purge_floor(tolerance: Duration) -> Duration {
+    tolerance * 2
+}
 
 /// What `purge --json` prints.
 #[derive(Serialize)]
@@ -95,11 +103,15 @@ enum Outcome {
 /// `purge`.
 pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow::Result<()> {
     let older_than = humantime::format_duration(args.older_than).to_string();
-    if args.older_than < SIGNATURE_TOLERANCE_FLOOR {
+    let floor = purge_floor(args.tolerance);
+    if args.older_than < floor {
         anyhow::bail!(
-            "--older-than {older_than} is under the signature tolerance (5m), which --force does not \
-             override: a request signed that recently is still accepted by the ingest, so the same \
-             request replayed after the purge would be stored and applied again"
+            "--older-than {older_than} is under twice the ingest's signature tolerance ({} × 2 = {}; \
+             --tolerance / INBOX_SIGNATURE_TOLERANCE), which --force does not override: a request \
+             signed that recently is still accepted by the ingest, so the same request replayed \
+             after the purge would be stored and applied again",
+            humantime::format_duration(args.tolerance),
+            humantime::format_duration(floor)
         );
     }
     if args.older_than < STRIPE_RETRY_WINDOW && !args.force {
@@ -379,9 +391,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_retry_window_is_three_days_and_the_floor_five_minutes() {
+    fn the_retry_window_is_three_days_and_the_floor_twice_the_tolerance() {
         assert_eq!(STRIPE_RETRY_WINDOW, humantime::parse_duration("3d").unwrap());
-        assert_eq!(SIGNATURE_TOLERANCE_FLOOR, humantime::parse_duration("5m").unwrap());
+        assert_eq!(
+            purge_floor(humantime::parse_duration("5m").unwrap()),
+            humantime::parse_duration("10m").unwrap()
+        );
     }
 
     fn batch(deleted: u64, last: Option<(i64, i64)>) -> PurgeBatch {

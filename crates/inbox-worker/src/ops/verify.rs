@@ -9,6 +9,7 @@
 
 use clap::Args as ClapArgs;
 use inbox_domain::config::load_endpoints;
+use inbox_domain::inbox::event::EventHead;
 use inbox_domain::inbox::signature::Verifier;
 use inbox_domain::inbox::store::admin::{self, Evidence};
 use serde::Serialize;
@@ -58,6 +59,11 @@ struct Report {
     /// Whether the stored payload is the raw body read as jsonb; None for an unstorable body
     /// (there is no payload).
     payload_matches: Option<bool>,
+    /// Whether the signed body's `id` and `type` are the row's `event_id` and `event_type`.
+    identity_matches: bool,
+    /// The `id` and `type` the signed body carries (None when it is not an event).
+    signed_event_id: Option<String>,
+    signed_event_type: Option<String>,
     raw_bytes: usize,
 }
 
@@ -89,9 +95,24 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
     };
     let verifier = verifier_for(args, &row.endpoint)?;
     let position = verifier.matching_secret(t, raw, signature);
+    // The signed body must be this row's event: kept bytes of another event (signed, so valid)
+    // next to a rewritten event_id or event_type would otherwise pass.
+    let (signed_id, signed_type) = match EventHead::parse(raw) {
+        Ok(head) => (Some(head.id.into_owned()), Some(head.event_type.into_owned())),
+        Err(_) => (None, None),
+    };
+    let identity_matches =
+        signed_id.as_deref() == Some(event_id) && signed_type.as_deref() == Some(row.event_type.as_str());
     let payload_matches = if row.has_payload {
-        // Bytes jsonb refuses, on a row that has a payload, were altered: not a match.
-        Some(admin::payload_matches(client, raw, &row.endpoint, event_id).await.unwrap_or(false))
+        match admin::payload_matches(client, raw, &row.endpoint, event_id).await {
+            Ok(matches) => Some(matches),
+            // Bytes that are not UTF-8 JSON (class 22), on a row that has a payload, were altered:
+            // not a match. Any other error is the database's, and says nothing of the payload.
+            Err(e) if e.code().is_some_and(|c| c.code().starts_with("22")) => Some(false),
+            Err(e) => {
+                return Err(inbox_domain::db::db_error("comparing the payload with the signed body", &e))
+            }
+        }
     } else {
         None
     };
@@ -107,6 +128,9 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
         recorded_secret_position: row.secret_position,
         recorded_secret_fingerprint: row.secret_fingerprint.clone(),
         payload_matches,
+        identity_matches,
+        signed_event_id: signed_id,
+        signed_event_type: signed_type,
         raw_bytes: raw.len(),
     };
     if args.output.json {
@@ -114,12 +138,18 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
     } else {
         emit(&render(&report, verifier.fingerprints()))?;
     }
-    match (report.verified, report.payload_matches) {
-        (false, _) => anyhow::bail!(
+    match (report.verified, report.identity_matches, report.payload_matches) {
+        (false, _, _) => anyhow::bail!(
             "the kept signature of event {event_id} does not verify with any secret configured for endpoint {}",
             report.endpoint
         ),
-        (true, Some(false)) => anyhow::bail!(
+        (true, false, _) => anyhow::bail!(
+            "the signed body is event {} ({}), not the row's event {event_id} ({}): the row was altered",
+            report.signed_event_id.as_deref().unwrap_or("?"),
+            report.signed_event_type.as_deref().unwrap_or("?"),
+            report.event_type
+        ),
+        (true, true, Some(false)) => anyhow::bail!(
             "the stored payload of event {event_id} is not the signed body read as JSON"
         ),
         _ => Ok(()),
@@ -172,6 +202,13 @@ fn render(r: &Report, configured: &[String]) -> String {
             configured.len(),
             configured.join(", ")
         )),
+    }
+    if !r.identity_matches {
+        text.push_str(&format!(
+            "identity: DIFFERS: the signed body is event {} ({})\n",
+            r.signed_event_id.as_deref().unwrap_or("?"),
+            r.signed_event_type.as_deref().unwrap_or("?")
+        ));
     }
     text.push_str(match r.payload_matches {
         Some(true) => "payload: the stored payload is the signed body\n",

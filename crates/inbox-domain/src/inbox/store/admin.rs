@@ -404,6 +404,7 @@ pub async fn payload_matches(
     endpoint: &str,
     event_id: &str,
 ) -> Result<bool, tokio_postgres::Error> {
+    let raw_body = crate::inbox::event::RawBytes(raw_body);
     let params: [(&(dyn ToSql + Sync), Type); 4] = [
         (&raw_body, Type::BYTEA),
         (&PROVIDER_STRIPE, Type::TEXT),

@@ -4,7 +4,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::db::Pooler;
 
-use crate::inbox::event::JsonBytes;
+use crate::inbox::event::{JsonBytes, RawBytes};
 
 /// Stores verified events as unprocessed rows, unless the same (provider, endpoint, event_id) is
 /// already stored: one statement for a whole batch of concurrent requests (group commit). Its
@@ -178,9 +178,13 @@ pub async fn insert_events(
     let positions: Vec<i16> = events.iter().map(|e| e.provenance.secret_position).collect();
     let fingerprints: Vec<&str> = events.iter().map(|e| e.provenance.secret_fingerprint).collect();
     let signed: Vec<i64> = events.iter().map(|e| e.provenance.signature_t).collect();
-    let raw: Vec<&[u8]> = if keep_raw { events.iter().map(|e| e.payload).collect() } else { Vec::new() };
-    let v1: Vec<&[u8]> =
-        if keep_raw { events.iter().map(|e| e.provenance.signature_v1).collect() } else { Vec::new() };
+    let raw: Vec<RawBytes<'_>> =
+        if keep_raw { events.iter().map(|e| RawBytes(e.payload)).collect() } else { Vec::new() };
+    let v1: Vec<RawBytes<'_>> = if keep_raw {
+        events.iter().map(|e| RawBytes(e.provenance.signature_v1)).collect()
+    } else {
+        Vec::new()
+    };
     let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
         (&provider, Type::TEXT),
         (&endpoints, Type::TEXT_ARRAY),
@@ -220,17 +224,18 @@ pub async fn insert_unstorable(
     reason: &str,
     timeout: std::time::Duration,
 ) -> Result<bool, tokio_postgres::Error> {
+    let (payload, v1) = (RawBytes(event.payload), RawBytes(event.provenance.signature_v1));
     let params: [(&(dyn ToSql + Sync), Type); 10] = [
         (&provider, Type::TEXT),
         (&event.endpoint, Type::TEXT),
         (&event.event_id, Type::TEXT),
         (&event.event_type, Type::TEXT),
-        (&event.payload, Type::BYTEA),
+        (&payload, Type::BYTEA),
         (&reason, Type::TEXT),
         (&event.provenance.secret_position, Type::INT2),
         (&event.provenance.secret_fingerprint, Type::TEXT),
         (&event.provenance.signature_t, Type::INT8),
-        (&event.provenance.signature_v1, Type::BYTEA),
+        (&v1, Type::BYTEA),
     ];
     let rows = super::query_in_own_transaction(client, timeout, INSERT_UNSTORABLE_SQL, &params).await?;
     Ok(!rows.is_empty())
