@@ -295,11 +295,11 @@ async fn room_held_by_a_request_that_fails_is_given_back_and_no_room_is_a_503_to
     tokio::time::sleep(Duration::from_millis(200)).await;
     post_valid().await;
 
-    // A sender that stalls halfway: while it holds the room a valid event waits for room, gets
-    // none within the database timeout, and is told to retry; after the stalled body's timeout
-    // (408) the retry is accepted.
+    // A sender that stalls one byte short of its body: while it holds the room its bytes took, a
+    // valid event waits for room, gets none within the database timeout, and is told to retry;
+    // after the stalled body's timeout (408) the retry is accepted.
     let mut stalled =
-        send(&app.address, &head(Some(&fresh_bogus()), max_body), &vec![b' '; max_body / 2]).await;
+        send(&app.address, &head(Some(&fresh_bogus()), max_body), &vec![b' '; max_body - 1]).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = Instant::now();
     let body = invoice_paid("evt_no_room", "in_1", 1);

@@ -5,6 +5,7 @@ mod bad_input;
 mod broken_orderings;
 mod connection;
 mod group_commit;
+mod hardening;
 mod hygiene;
 mod ingest_faults;
 mod ingest_http;

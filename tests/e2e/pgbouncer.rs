@@ -112,3 +112,67 @@ async fn get(base: &str, path: &str) -> String {
     )
     .await
 }
+
+#[tokio::test]
+async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fix_and_turns_unready() {
+    let server = postgres_addr();
+    let user = inbox_test_support::db::admin_config().get_user().unwrap_or("postgres").to_owned();
+    let start = move || PgBouncer::start(&server.ip().to_string(), server.port(), &user, 2);
+    let Some(bouncer) = tokio::task::spawn_blocking(start).await.unwrap() else {
+        eprintln!("skipped: pgbouncer is not installed (scripts/ci-deps.sh installs it)");
+        return;
+    };
+    let db = TestDb::new().await;
+    let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
+
+    // INBOX_DB_POOLER left at its default: the insert is prepared once per client connection,
+    // and the next transaction of that connection may run on another server connection.
+    let mut ingest = command("inbox-ingest");
+    ingest
+        .env("DATABASE_URL", &via)
+        .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
+        .env("INBOX_LISTEN", "127.0.0.1:0");
+    let (ingest, base) = tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap();
+    let mut unavailable = 0;
+    for round in 0..4 {
+        let requests: Vec<_> = (0..40)
+            .map(|i| {
+                let body = invoice_paid(&format!("evt_mis_{round}_{i}"), &format!("in_mis_{i}"), 100);
+                ("billing".to_owned(), sign(SECRET_A, &body), body)
+            })
+            .collect();
+        let replies = tokio::task::spawn_blocking({
+            let base = base.clone();
+            move || concurrent_posts(&base, requests)
+        })
+        .await
+        .unwrap();
+        unavailable += replies.iter().filter(|r| r.status == 503).count();
+    }
+    let logs = ingest.output();
+    assert!(unavailable > 0, "statements prepared on one server connection were missed on another:\n{logs}");
+
+    // The log names the SQLSTATE, the server's message and the setting, at error level.
+    let named = logs.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find(|l| {
+        l["level"] == "ERROR" && l["fix"].as_str().is_some_and(|f| f.contains("INBOX_DB_POOLER=transaction"))
+    });
+    let named = named.unwrap_or_else(|| panic!("an error line naming the fix:\n{logs}"));
+    let sqlstate = named["sqlstate"].as_str().unwrap_or_default();
+    assert!(["26000", "42P05"].contains(&sqlstate), "{named}");
+    assert!(named["error"].as_str().unwrap_or_default().contains("prepared statement"), "{named}");
+    // Every request refused for the database says why in its own line, SQLSTATE included.
+    for line in logs.lines().filter(|l| l.contains("webhook not stored")) {
+        assert!(
+            line.contains("(26000)") || line.contains("(42P05)") || line.contains("INBOX_DB_POOLER"),
+            "{line}"
+        );
+    }
+
+    // /readyz says so, and stays so: retrying will not fix a setting.
+    let ready = get(&base, "/readyz").await;
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+    let ready = inbox_test_support::app::http_client().get(format!("{base}/readyz")).send().await.unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&ready.bytes().await.unwrap()).unwrap();
+    assert!(body["error"].as_str().unwrap_or_default().contains("INBOX_DB_POOLER=transaction"), "{body}");
+    drop(ingest);
+}

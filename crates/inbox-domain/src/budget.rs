@@ -73,6 +73,11 @@ impl ByteBudget {
         self.kib.available_permits() as u64 * 1024
     }
 
+    /// Nothing yet: a hold to grow with [`ByteBudget::grow_within`] as bytes arrive.
+    pub fn nothing(&self) -> BytesHeld {
+        BytesHeld(self.kib.clone().try_acquire_many_owned(0).expect("no permits are always free"))
+    }
+
     /// Takes up to `bytes`, as much as is free now, at once: for a taker that chose how much to
     /// take from [`ByteBudget::available`] and may have gone over by one item.
     pub fn take_available(&self, bytes: u64) -> BytesHeld {

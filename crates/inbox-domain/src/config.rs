@@ -187,6 +187,16 @@ pub fn parse_byte_size(s: &str) -> Result<u64, String> {
         .map_err(|e| format!("{e} (use e.g. 1MiB, 512KiB, 65536)"))
 }
 
+/// The warning for a secret given as a command-line flag: the process list (`ps`,
+/// `/proc/PID/cmdline`) shows it to every user of the machine. Names the flag and where the
+/// secret belongs, never the secret.
+pub fn secret_flag_warning(flag: &str, instead: &str) -> String {
+    format!(
+        "{flag} carries a secret on the command line, where every user of this machine can read it \
+         (ps, /proc/PID/cmdline): use {instead} instead"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

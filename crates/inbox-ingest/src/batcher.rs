@@ -13,6 +13,7 @@
 //! refuses is stored all the same, byte for byte, held as unstorable and parked (see
 //! `store::ingest::INSERT_UNSTORABLE_SQL`): its signature was valid, so it is Stripe's.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -29,6 +30,7 @@ use tokio_postgres::error::SqlState;
 
 use crate::error::IngestError;
 use crate::metrics::Metrics;
+use crate::readiness::Readiness;
 
 /// A verified event waiting for its batch.
 struct Pending {
@@ -84,8 +86,9 @@ impl Batcher {
         db_timeout: Duration,
         keep_raw: bool,
         metrics: Metrics,
+        readiness: Arc<Readiness>,
     ) -> Batcher {
-        let target = Target { pool, pooler, timeout: db_timeout, keep_raw };
+        let target = Target { pool, pooler, timeout: db_timeout, keep_raw, readiness };
         let (queue, rx) = mpsc::channel(MAX_BATCH * writers.max(1) * 4);
         let shared =
             Arc::new(Writers { queue: Mutex::new(rx), writing: AtomicUsize::new(0), changed: Notify::new() });
@@ -118,12 +121,12 @@ impl Batcher {
             reply,
             _held: held,
         };
-        self.queue.send(pending).await.map_err(|_| IngestError::Unavailable("shutting down"))?;
+        self.queue.send(pending).await.map_err(|_| IngestError::Unavailable("shutting down".into()))?;
         if self.queue.max_capacity() - self.queue.capacity() >= JOIN_AT - 1 {
             // With the one a waiting writer already holds, enough for a batch beside the others.
             self.writers.changed.notify_one();
         }
-        answer.await.map_err(|_| IngestError::Unavailable("writer stopped"))?
+        answer.await.map_err(|_| IngestError::Unavailable("writer stopped".into()))?
     }
 }
 
@@ -171,6 +174,8 @@ struct Target {
     timeout: Duration,
     /// Keep the exact bytes and the matching signature of every row (`--keep-raw`).
     keep_raw: bool,
+    /// Told of a misconfiguration an insert meets, so that `/readyz` says it.
+    readiness: Arc<Readiness>,
 }
 
 async fn writer(shared: Arc<Writers>, target: Target, metrics: Metrics) {
@@ -289,16 +294,15 @@ async fn keep_refused(
     };
     if !body {
         tracing::error!(sqlstate, message, "insert refused by a constraint of the inbox table");
-        return Err(IngestError::Unavailable("database refused the row"));
+        return Err(IngestError::Unavailable("database refused the row".into()));
     }
     let reason = format!("unstorable: PostgreSQL refused the body as jsonb: {message} (SQLSTATE {sqlstate}); the exact bytes are in raw_body");
     let reason = inbox_domain::inbox::store::truncate_error(&reason);
     let work = async {
-        let client = target.pool.get().await.map_err(|_| IngestError::Unavailable("no connection"))?;
-        store::insert_unstorable(&client, PROVIDER_STRIPE, row, reason, target.timeout).await.map_err(|e| {
-            tracing::warn!(error = %inbox_domain::db::describe_db_error(&e), "storing an unstorable body failed");
-            IngestError::Unavailable("database error")
-        })
+        let client = target.pool.get().await.map_err(|e| IngestError::Unavailable(no_connection(&e)))?;
+        store::insert_unstorable(&client, PROVIDER_STRIPE, row, reason, target.timeout)
+            .await
+            .map_err(|e| IngestError::from(failed(target, &e, "storing an unstorable body failed")))
     };
     match tokio::time::timeout(target.timeout, work).await {
         Ok(Ok(true)) => {
@@ -307,7 +311,7 @@ async fn keep_refused(
         }
         Ok(Ok(false)) => Ok(InsertOutcome::Duplicate),
         Ok(Err(e)) => Err(e),
-        Err(_) => Err(IngestError::Unavailable("timed out")),
+        Err(_) => Err(IngestError::Unavailable("timed out storing the unstorable body".into())),
     }
 }
 
@@ -317,14 +321,14 @@ enum BatchError {
     /// refusal is `jsonb`'s judgement of a payload (class 22, or 54001 for nesting deeper than the
     /// server's stack) rather than one of the table's constraints (class 23, other class 54).
     Refused { sqlstate: String, message: String, body: bool },
-    /// Anything else: a retry may pass.
-    Unavailable(&'static str),
+    /// Anything else: a retry may pass. The cause, for the logs.
+    Unavailable(Cow<'static, str>),
 }
 
 impl From<BatchError> for IngestError {
     fn from(e: BatchError) -> Self {
         match e {
-            BatchError::Refused { .. } => IngestError::Unavailable("database refused the row"),
+            BatchError::Refused { .. } => IngestError::Unavailable("database refused the row".into()),
             BatchError::Unavailable(cause) => IngestError::Unavailable(cause),
         }
     }
@@ -332,18 +336,17 @@ impl From<BatchError> for IngestError {
 
 async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(String, String)>, BatchError> {
     let work = async {
-        let client = target.pool.get().await.map_err(|e| {
-            tracing::debug!(error = %inbox_domain::db::describe_pool_error(&e), "no database connection");
-            BatchError::Unavailable("no connection")
-        })?;
+        let client = target.pool.get().await.map_err(|e| BatchError::Unavailable(no_connection(&e)))?;
         store::insert_events(&client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout)
             .await
-            .map_err(classify)
+            .map_err(|e| classify(target, e))
     };
     match tokio::time::timeout(target.timeout, work).await {
         Ok(Ok(inserted)) => Ok(inserted.into_iter().collect()),
         Ok(Err(e)) => Err(e),
-        Err(_) => Err(BatchError::Unavailable("timed out")),
+        Err(_) => Err(BatchError::Unavailable(
+            format!("timed out: no connection and commit within --db-timeout ({:?})", target.timeout).into(),
+        )),
     }
 }
 
@@ -351,9 +354,11 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
 /// `ON CONFLICT` and is answered as a duplicate. A refusal of the data itself is deterministic
 /// (classes 22 and 23, and 54 — program limits such as the stack depth a deeply nested body
 /// exhausts): retrying the batch as it is would fail the same way.
-fn classify(e: tokio_postgres::Error) -> BatchError {
+fn classify(target: &Target, e: tokio_postgres::Error) -> BatchError {
     match e.code() {
-        Some(code) if *code == SqlState::QUERY_CANCELED => BatchError::Unavailable("statement timeout"),
+        Some(code) if *code == SqlState::QUERY_CANCELED => {
+            BatchError::Unavailable(inbox_domain::db::describe_db_error(&e).into())
+        }
         Some(code) if ["22", "23", "54"].contains(&&code.code()[..2]) => {
             let sqlstate = code.code().to_owned();
             let message = e.as_db_error().map(|db| db.message().to_owned()).unwrap_or_default();
@@ -361,9 +366,33 @@ fn classify(e: tokio_postgres::Error) -> BatchError {
             let body = sqlstate.starts_with("22") || *code == SqlState::STATEMENT_TOO_COMPLEX;
             BatchError::Refused { sqlstate, message, body }
         }
-        _ => {
-            tracing::warn!(error = %inbox_domain::db::describe_db_error(&e), "insert failed");
-            BatchError::Unavailable("database error")
-        }
+        _ => failed(target, &e, "insert failed"),
     }
+}
+
+/// A failed database call: logged with the server's SQLSTATE and message (at error level, and
+/// reported to `/readyz`, when it shows the settings are wrong: retrying will not help).
+fn failed(target: &Target, e: &tokio_postgres::Error, what: &'static str) -> BatchError {
+    let error = inbox_domain::db::describe_db_error(e);
+    let sqlstate = e.code().map(|c| c.code());
+    if let Some(fix) = inbox_domain::db::misconfiguration(e) {
+        if target.readiness.misconfigured(fix) {
+            tracing::error!(
+                sqlstate,
+                error,
+                fix,
+                "{what}: the database settings are wrong; /readyz now answers 503"
+            );
+        } else {
+            tracing::error!(sqlstate, error, "{what}");
+        }
+    } else {
+        tracing::warn!(sqlstate, error, "{what}");
+    }
+    BatchError::Unavailable(error.into())
+}
+
+/// No connection from the pool: the cause, for the request's log line.
+fn no_connection(e: &deadpool_postgres::PoolError) -> Cow<'static, str> {
+    format!("no database connection: {}", inbox_domain::db::describe_pool_error(e)).into()
 }

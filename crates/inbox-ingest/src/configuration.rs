@@ -11,6 +11,8 @@ use inbox_domain::config::{
 use inbox_domain::db::{DatabaseConfig, Pooler};
 use inbox_domain::telemetry::LogFormat;
 
+use crate::sources::{parse_network, SourcePolicy};
+
 /// Receives Stripe webhooks: verifies each signature on the raw body and commits the event to the
 /// inbox before answering 2xx.
 #[derive(Debug, Parser)]
@@ -60,9 +62,9 @@ pub struct Cli {
     pub max_body: u64,
 
     /// Most request-body bytes held at once, from the first byte received until the event's batch
-    /// is written: a request is given room for its whole declared body before any of it is read
-    /// (a chunked one as it arrives); past the bound it waits (up to --db-timeout, then 503 with
-    /// Retry-After) instead of the process growing, under slow senders or a slow database alike.
+    /// is written: a body takes room as its bytes arrive, never for bytes only declared; past the
+    /// bound it waits (up to --db-timeout, then 503 with Retry-After) instead of the process
+    /// growing, under slow senders or a slow database alike.
     #[arg(long, env = "INBOX_MAX_BYTES_IN_FLIGHT", default_value = "32MiB", value_parser = parse_byte_size)]
     pub max_bytes_in_flight: u64,
 
@@ -92,6 +94,25 @@ pub struct Cli {
     #[arg(long, env = "INBOX_BODY_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub body_timeout: Duration,
 
+    /// Slowest average rate a body may arrive at, in bytes per second (e.g. 64KiB): after its
+    /// first second, a body behind this rate gets 408 — a sender that declares a large body and
+    /// sends little of it holds a connection no longer than that.
+    #[arg(long, env = "INBOX_MIN_BODY_RATE", default_value = "64KiB", value_parser = parse_byte_size)]
+    pub min_body_rate: u64,
+
+    /// Accept webhooks only from these networks (CIDR or address, comma-separated), e.g. Stripe's
+    /// published webhook addresses; others get 403 before their body is read. Health, readiness
+    /// and metrics are not restricted. Default: from anywhere (the signature is the check).
+    #[arg(long, env = "INBOX_ALLOW_FROM", value_name = "CIDR[,CIDR…]", value_delimiter = ',',
+          value_parser = parse_network)]
+    pub allow_from: Vec<ipnet::IpNet>,
+
+    /// Proxies of yours in front of the ingest (CIDR or address, comma-separated): only from them
+    /// is X-Forwarded-For read, from the right, for --allow-from (docs/operations.md, "Security").
+    #[arg(long, env = "INBOX_TRUSTED_PROXIES", value_name = "CIDR[,CIDR…]", value_delimiter = ',',
+          value_parser = parse_network)]
+    pub trusted_proxies: Vec<ipnet::IpNet>,
+
     /// What is between this process and PostgreSQL: `none` (the server, or a session-mode pool)
     /// or `transaction` (a transaction-mode pool such as PgBouncer's: no statement is kept from
     /// one transaction to the next).
@@ -101,6 +122,10 @@ pub struct Cli {
     /// Log format [default: text on a terminal, else json].
     #[arg(long, env = "LOG_FORMAT", value_name = "json|text")]
     pub log_format: Option<LogFormat>,
+
+    /// Secrets given as flags rather than from the environment or a file: warned about at start.
+    #[arg(skip)]
+    pub secret_flags: Vec<String>,
 }
 
 /// Connections served at once by default (`--max-connections`). The HTTP layer reads up to 128 KiB
@@ -139,6 +164,10 @@ pub struct Settings {
     pub pool_size: usize,
     pub db_timeout: Duration,
     pub body_timeout: Duration,
+    /// Slowest average rate a body may arrive at after its first second, bytes per second.
+    pub min_body_rate: u64,
+    /// Who may deliver webhooks, and which proxies' X-Forwarded-For is believed.
+    pub sources: SourcePolicy,
     /// Store each verified body's exact bytes and matching signature (`--keep-raw`).
     pub keep_raw: bool,
     /// Whether the server reacts to SIGTERM/SIGINT itself (the binary) or is stopped by its
@@ -147,6 +176,30 @@ pub struct Settings {
 }
 
 impl Cli {
+    /// Parses the process's arguments (a usage error exits with status 2), noting the secrets
+    /// given as flags ([`Cli::secret_flags`]).
+    pub fn parse_args() -> Cli {
+        use clap::parser::ValueSource;
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let matches = Cli::command().get_matches();
+        let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        let on_command_line = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+        if on_command_line("endpoints") {
+            cli.secret_flags.push(inbox_domain::config::secret_flag_warning(
+                "--endpoint",
+                "INBOX_ENDPOINTS or --endpoints-file",
+            ));
+        }
+        if on_command_line("database_url") && inbox_domain::db::conninfo::names_a_password(&cli.database_url)
+        {
+            cli.secret_flags.push(inbox_domain::config::secret_flag_warning(
+                "--database-url with a password",
+                "DATABASE_URL, DATABASE_PASSWORD_FILE or a pgpass file",
+            ));
+        }
+        cli
+    }
+
     /// The connection limits asked for (refuses 0).
     pub fn connection_limits(&self) -> anyhow::Result<ConnectionLimits> {
         if self.max_connections == 0 {
@@ -181,6 +234,15 @@ impl Cli {
                 self.max_body
             );
         }
+        if self.min_body_rate == 0 {
+            anyhow::bail!("--min-body-rate / INBOX_MIN_BODY_RATE must be above 0");
+        }
+        if !self.trusted_proxies.is_empty() && self.allow_from.is_empty() {
+            anyhow::bail!(
+                "--trusted-proxies / INBOX_TRUSTED_PROXIES is only read for --allow-from / INBOX_ALLOW_FROM, \
+                 which is not set"
+            );
+        }
         let pool_size = match self.pool_size {
             Some(0) => anyhow::bail!("--pool-size / INBOX_POOL_SIZE must be at least 1"),
             Some(n) => n,
@@ -195,6 +257,8 @@ impl Cli {
             pool_size,
             db_timeout: self.db_timeout,
             body_timeout: self.body_timeout,
+            min_body_rate: self.min_body_rate,
+            sources: SourcePolicy { allow: self.allow_from, trusted_proxies: self.trusted_proxies },
             keep_raw: self.keep_raw,
             handle_signals: true,
         })

@@ -2,6 +2,8 @@
 //!
 //! Messages are safe to send back: they never echo the signature, a secret or the payload.
 
+use std::borrow::Cow;
+
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use inbox_domain::budget::NoRoom;
@@ -10,6 +12,9 @@ use inbox_domain::inbox::signature::SignatureError;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum IngestError {
+    /// The request's source is not in `--allow-from`: refused before anything else is looked at.
+    #[error("source address not allowed")]
+    ForbiddenSource,
     #[error("unknown endpoint")]
     UnknownEndpoint,
     #[error("body larger than the limit")]
@@ -25,8 +30,9 @@ pub enum IngestError {
     #[error("{0}")]
     BadPayload(EventHeadError),
     /// The database could not confirm the row in time. Stripe retries; the retry is deduplicated.
+    /// The cause (with the server's SQLSTATE and message when it sent one) is logged, never sent.
     #[error("database unavailable")]
-    Unavailable(&'static str),
+    Unavailable(Cow<'static, str>),
     /// No room in the bytes in flight (`--max-bytes-in-flight`) for the body, in time: the process
     /// holds as many bodies as it may. Answered before the body is read (or, for a chunked body
     /// that outgrew its room, before the rest is); the sender retries.
@@ -38,6 +44,7 @@ impl IngestError {
     /// The metric/log label of this outcome.
     pub fn outcome(&self) -> &'static str {
         match self {
+            IngestError::ForbiddenSource => "forbidden_source",
             IngestError::UnknownEndpoint => "unknown_endpoint",
             IngestError::TooLarge => "too_large",
             IngestError::HeadersTooLarge => "headers_too_large",
@@ -54,6 +61,7 @@ impl IngestError {
 impl ResponseError for IngestError {
     fn status_code(&self) -> StatusCode {
         match self {
+            IngestError::ForbiddenSource => StatusCode::FORBIDDEN,
             IngestError::UnknownEndpoint => StatusCode::NOT_FOUND,
             IngestError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             IngestError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,

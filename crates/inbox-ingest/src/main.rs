@@ -2,12 +2,14 @@ use std::net::TcpListener;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use clap::Parser as _;
 use inbox_ingest::{Application, Cli};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     inbox_domain::telemetry::init_tracing(cli.log_format);
+    for warning in &cli.secret_flags {
+        tracing::warn!("{warning}");
+    }
     match actix_web::rt::System::new().block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -16,6 +16,7 @@ use tracing::Instrument as _;
 use crate::batcher::Verified;
 use crate::error::IngestError;
 use crate::metrics::UNKNOWN_ENDPOINT_LABEL;
+use crate::readiness::Verdict;
 use crate::startup::AppState;
 
 /// Largest total size of a webhook request's headers. Stripe sends well under 1 KiB; the HTTP
@@ -38,7 +39,12 @@ pub async fn receive_webhook(
         event_id = tracing::field::Empty,
         event_type = tracing::field::Empty,
     );
-    let result = receive(&state, &endpoint, request.headers(), payload).instrument(span.clone()).await;
+    let peer = request.peer_addr().map(|a| a.ip());
+    let result = if state.sources.admits(peer, request.headers()) {
+        receive(&state, &endpoint, request.headers(), payload).instrument(span.clone()).await
+    } else {
+        Err(IngestError::ForbiddenSource)
+    };
     let known = state.endpoints.contains_key(&endpoint);
     let label = if known { endpoint.as_str() } else { UNKNOWN_ENDPOINT_LABEL };
     let elapsed = started.elapsed();
@@ -53,17 +59,33 @@ pub async fn receive_webhook(
             tracing::info!(outcome, elapsed_ms = elapsed.as_secs_f64() * 1e3, "webhook stored");
         }
         Err(e) => {
+            // Every refusal is counted; at most a few a second are logged (see crate::log_limit).
             state.metrics.record(label, e.outcome(), elapsed);
             if let IngestError::BadSignature(reason) = e {
                 state.metrics.signature_failure(label, reason.reason());
             }
-            match e {
-                IngestError::Unavailable(cause) => {
-                    tracing::warn!(outcome = e.outcome(), cause, "webhook not stored: database unavailable")
-                }
+            let left_out = match e {
                 // Scans of random endpoint names are noise, not news.
-                IngestError::UnknownEndpoint => tracing::debug!(outcome = e.outcome(), "webhook refused"),
-                _ => tracing::info!(outcome = e.outcome(), error = %e, "webhook refused"),
+                IngestError::UnknownEndpoint => None,
+                _ => state.refusal_log.admit(),
+            };
+            match (e, left_out) {
+                (IngestError::UnknownEndpoint, _) => {
+                    tracing::debug!(outcome = e.outcome(), "webhook refused")
+                }
+                (_, None) => {}
+                (IngestError::Unavailable(cause), Some(left_out)) => tracing::warn!(
+                    outcome = e.outcome(),
+                    cause = %cause,
+                    refusals_not_logged = left_out,
+                    "webhook not stored: database unavailable"
+                ),
+                (_, Some(left_out)) => tracing::info!(
+                    outcome = e.outcome(),
+                    error = %e,
+                    refusals_not_logged = left_out,
+                    "webhook refused"
+                ),
             }
         }
     }
@@ -160,7 +182,7 @@ async fn receive(
     let stored = state.batcher.insert(event, body.clone(), held);
     let outcome = match tokio::time::timeout(state.db_timeout, stored).await {
         Ok(result) => result?,
-        Err(_) => return Err(IngestError::Unavailable("timed out")),
+        Err(_) => return Err(IngestError::Unavailable("timed out".into())),
     };
     if outcome == InsertOutcome::Accepted && held_kind.is_none() {
         state.wake_workers.notify_one();
@@ -175,14 +197,18 @@ async fn receive(
 
 /// Requests that may wait for room in the bytes in flight at once; a request finding this many
 /// waiting is answered 503 at once (its connection then closes, after [`crate::startup::LINGER`]).
-/// A waiting request's body is not read, but the HTTP layer buffers ~0.25 MiB of it: this bounds
-/// that memory (~16 MiB), and it frees the connections of requests that would most likely wait in
-/// vain for requests that may not.
+/// A waiting request holds the chunk it could not store, and the HTTP layer buffers ~0.25 MiB
+/// more of its body: this bounds that memory (~16 MiB), and it frees the connections of requests
+/// that would most likely wait in vain for requests that may not.
 pub const MAX_WAITING_FOR_ROOM: usize = 64;
 
-/// Room taken for a chunked body (no Content-Length) before it is read; it grows (doubling, up to
-/// `--max-body`) as the body arrives.
-pub const CHUNKED_FIRST_ROOM: usize = 64 * 1024;
+/// Room taken at least when a body first needs some: it grows by doubling (up to the declared
+/// length, or `--max-body` for a chunked body) as the body arrives.
+pub const FIRST_ROOM: usize = 16 * 1024;
+
+/// A body's first second is free of the minimum rate (`--min-body-rate`): a connection's first
+/// bytes may wait on a handshake or a window.
+pub const MIN_RATE_GRACE: Duration = Duration::from_secs(1);
 
 /// The body's size from Content-Length: 413 over `limit` (before a byte is read), 400 when it is
 /// not a number; `None` for a chunked body.
@@ -195,27 +221,32 @@ fn declared_length(headers: &HeaderMap, limit: usize) -> Result<Option<usize>, I
     }
 }
 
-/// Reads the body into room taken from the bytes in flight first: the declared length at once,
-/// or for a chunked body a first share that grows as it arrives. Waits for room up to
-/// `--db-timeout` (503 past it, or at once when [`MAX_WAITING_FOR_ROOM`] requests already wait);
-/// then the body must arrive within `--body-timeout` (408), at most `--max-body` (413). The room
-/// is returned with the body, shrunk to its size, and goes with it to the batch; on any refusal
-/// it is given back on the spot (dropped).
+/// Reads the body, taking room from the bytes in flight as its bytes arrive — never for bytes
+/// only declared: a header that announces a megabyte holds nothing until the megabyte comes. Room
+/// grows by doubling from [`FIRST_ROOM`], up to the declared length (a chunked body: up to
+/// `--max-body`); without room the request waits up to `--db-timeout` (503 past it, or at once
+/// when [`MAX_WAITING_FOR_ROOM`] requests already wait). The body must arrive within
+/// `--body-timeout`, and after [`MIN_RATE_GRACE`] at `--min-body-rate` on average (the time spent
+/// waiting for room not counted), else 408; at most `--max-body` (413). The room is returned with
+/// the body, shrunk to its size, and goes with it to the batch; on any refusal it is given back on
+/// the spot (dropped).
 async fn read_body(
     state: &AppState,
     declared: Option<usize>,
     mut payload: web::Payload,
 ) -> Result<(Bytes, BytesHeld), IngestError> {
     let limit = state.max_body;
-    let first = declared.unwrap_or(CHUNKED_FIRST_ROOM.min(limit));
-    let mut held = state
-        .bodies
-        .take_within(first as u64, state.db_timeout, MAX_WAITING_FOR_ROOM)
-        .await
-        .map_err(IngestError::Busy)?;
-    let deadline = tokio::time::Instant::now() + state.body_timeout;
-    let mut body = BytesMut::with_capacity(first);
+    let cap = declared.unwrap_or(limit) as u64;
+    let mut held = state.bodies.nothing();
+    let started = tokio::time::Instant::now();
+    let hard_deadline = started + state.body_timeout;
+    let rate = state.min_body_rate.max(1);
+    // Time spent waiting for room: the sender is not to blame for it.
+    let mut waited = Duration::ZERO;
+    let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(FIRST_ROOM));
     loop {
+        let allowed = MIN_RATE_GRACE + waited + Duration::from_secs_f64(body.len() as f64 / rate as f64);
+        let deadline = hard_deadline.min(started + allowed);
         let chunk = match tokio::time::timeout_at(deadline, payload.next()).await {
             Err(_) => return Err(IngestError::BodyTimeout),
             Ok(None) => break,
@@ -227,14 +258,15 @@ async fn read_body(
             return Err(IngestError::TooLarge);
         }
         if size as u64 > held.bytes() {
-            // Only a chunked body outgrows its room (a Content-Length body cannot pass its length).
-            let grown = (held.bytes() * 2).max(size as u64).min(limit as u64);
-            let patience = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let grown = (held.bytes() * 2).max(FIRST_ROOM as u64).max(size as u64).min(cap.max(size as u64));
+            let asked = tokio::time::Instant::now();
+            let patience = state.db_timeout.min(hard_deadline.saturating_duration_since(asked));
             state
                 .bodies
                 .grow_within(&mut held, grown, patience, MAX_WAITING_FOR_ROOM)
                 .await
                 .map_err(IngestError::Busy)?;
+            waited += asked.elapsed();
         }
         body.extend_from_slice(&chunk);
     }
@@ -268,20 +300,31 @@ pub async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({ "status": "ok" }))
 }
 
-/// `GET /readyz`: the database answers and its schema is at least the version this build expects.
+/// `GET /readyz`: the database answers and its schema is at least the version this build expects,
+/// and no misconfiguration was met (see [`crate::readiness`]: checked at most once a second).
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+    let verdict = state.readiness.verdict(|| check_ready(&state)).await;
+    if verdict.ready {
+        HttpResponse::Ok().json(verdict.body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(verdict.body)
+    }
+}
+
+/// One readiness check against the database.
+async fn check_ready(state: &AppState) -> Verdict {
     let expected = inbox_domain::inbox::schema::expected_version();
     let timeout = state.db_timeout.min(Duration::from_secs(2));
     let started = Instant::now();
     let check = async {
         let client = match tokio::time::timeout(timeout, state.pool.get()).await {
             Ok(Ok(client)) => client,
-            Ok(Err(_)) => return Ok(Err("database unavailable")),
+            Ok(Err(e)) => return Ok(Err(inbox_domain::db::describe_pool_error(&e))),
             Err(elapsed) => return Err(elapsed),
         };
         let left = timeout.saturating_sub(started.elapsed());
         match tokio::time::timeout(left, inbox_domain::inbox::schema::current_version(&client)).await {
-            Ok(version) => Ok(version.map_err(|_| "database unavailable")),
+            Ok(version) => Ok(version.map_err(|e| format!("{e:#}"))),
             Err(elapsed) => {
                 // Never hand the pool a connection whose query still runs: cancel it, drop it.
                 inbox_domain::db::abandon(client, &state.database);
@@ -289,27 +332,24 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
             }
         }
     };
-    let (ready, body) = match check.await {
-        Ok(Ok(Some(version))) if version >= expected => {
-            (true, serde_json::json!({ "status": "ready", "schema_version": version }))
-        }
-        Ok(Ok(version)) => (
-            false,
-            serde_json::json!({
-                "status": "not_ready",
-                "error": format!(
-                    "schema version {} is older than the {expected} this binary expects: run `inbox-worker migrate`",
-                    version.unwrap_or(0)
-                ),
-            }),
-        ),
-        Ok(Err(cause)) => (false, serde_json::json!({ "status": "not_ready", "error": cause })),
-        Err(_) => (false, serde_json::json!({ "status": "not_ready", "error": "database timed out" })),
+    let not_ready = |error: String| Verdict {
+        ready: false,
+        body: serde_json::json!({ "status": "not_ready", "error": error }),
     };
-    if ready {
-        HttpResponse::Ok().json(body)
-    } else {
-        HttpResponse::ServiceUnavailable().json(body)
+    match check.await {
+        Ok(Ok(Some(version))) if version >= expected => {
+            Verdict { ready: true, body: serde_json::json!({ "status": "ready", "schema_version": version }) }
+        }
+        Ok(Ok(version)) => not_ready(format!(
+            "schema version {} is older than the {expected} this binary expects: run `inbox-worker migrate`",
+            version.unwrap_or(0)
+        )),
+        Ok(Err(cause)) => {
+            // The cause goes to the log only: this port faces the internet.
+            tracing::warn!(error = cause, "readiness check failed");
+            not_ready("database unavailable".to_owned())
+        }
+        Err(_) => not_ready("database timed out".to_owned()),
     }
 }
 

@@ -19,8 +19,11 @@ use tokio::sync::Notify;
 use crate::batcher::Batcher;
 use crate::configuration::{ConnectionLimits, Settings};
 use crate::error::IngestError;
+use crate::log_limit::LogLimit;
 use crate::metrics::Metrics;
+use crate::readiness::Readiness;
 use crate::routes;
+use crate::sources::SourcePolicy;
 
 /// A configured endpoint, as requests meet it.
 pub struct Endpoint {
@@ -43,16 +46,24 @@ pub struct AppState {
     pub max_body: usize,
     /// Bound on receiving the body (408 past it).
     pub body_timeout: Duration,
+    /// Slowest average rate of a body after its first second (408 behind it), bytes per second.
+    pub min_body_rate: u64,
+    /// Who may deliver webhooks (403 otherwise).
+    pub sources: SourcePolicy,
     /// Bound on storing the event, and on waiting for room for a body (503 past either).
     pub db_timeout: Duration,
     /// Request-body bytes held, from the first byte received until the batch is written
-    /// (`--max-bytes-in-flight`): room for a body is taken before it is read.
+    /// (`--max-bytes-in-flight`): a body takes room as its bytes arrive.
     pub bodies: ByteBudget,
     pub metrics: Metrics,
     /// Group-commit writers: every insert goes through them.
     pub batcher: Batcher,
     /// Raised after each new row; the notifier turns bursts of it into one NOTIFY.
     pub wake_workers: Arc<Notify>,
+    /// `/readyz`'s cached answer, and a misconfiguration the writers met.
+    pub readiness: Arc<Readiness>,
+    /// How many refused requests are logged (all are counted).
+    pub refusal_log: LogLimit,
 }
 
 /// Shortest gap between two NOTIFYs from one ingest process. A NOTIFY inside every insert
@@ -148,6 +159,7 @@ impl Application {
         let port = listener.local_addr().context("reading the listener's address")?.port();
         // Leave a couple of connections for readiness checks and the wake-up NOTIFY.
         let writers = settings.pool_size.saturating_sub(2).max(1);
+        let readiness = Arc::new(Readiness::default());
         let batcher = Batcher::start(
             pool.clone(),
             settings.database.pooler,
@@ -155,6 +167,7 @@ impl Application {
             settings.db_timeout,
             settings.keep_raw,
             metrics.clone(),
+            readiness.clone(),
         );
         let wake_workers = Arc::new(Notify::new());
         let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
@@ -165,10 +178,14 @@ impl Application {
             database: settings.database.clone(),
             max_body: settings.max_body,
             body_timeout: settings.body_timeout,
+            min_body_rate: settings.min_body_rate,
+            sources: settings.sources.clone(),
             db_timeout: settings.db_timeout,
             bodies: ByteBudget::new(settings.max_bytes_in_flight),
             metrics,
             batcher,
+            readiness,
+            refusal_log: LogLimit::default(),
         });
         // actix limits connections per server thread: split the limit between them (and use no
         // more threads than connections allowed).

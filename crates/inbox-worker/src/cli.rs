@@ -26,7 +26,30 @@ impl Cli {
     /// own binary is not called `inbox-worker`). A usage error exits with status 2.
     pub fn parse_as(name: &str) -> Cli {
         let matches = Cli::command().name(name.to_owned()).bin_name(name.to_owned()).get_matches();
-        Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+        let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        // Global flags are seen at the top and in the subcommand, wherever they were written.
+        let on_command_line = |id: &str| {
+            let here =
+                |m: &clap::ArgMatches| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+            here(&matches) || matches.subcommand().is_some_and(|(_, sub)| here(sub))
+        };
+        if on_command_line("database_url")
+            && cli.global.database_url.as_deref().is_some_and(inbox_domain::db::conninfo::names_a_password)
+        {
+            cli.global.secret_flags.push(inbox_domain::config::secret_flag_warning(
+                "--database-url with a password",
+                "DATABASE_URL, DATABASE_PASSWORD_FILE or a pgpass file",
+            ));
+        }
+        if matches.subcommand_matches("verify").is_some_and(|verify| {
+            verify.value_source("secrets") == Some(clap::parser::ValueSource::CommandLine)
+        }) {
+            cli.global.secret_flags.push(inbox_domain::config::secret_flag_warning(
+                "--secrets",
+                "INBOX_ENDPOINTS or --secrets-file",
+            ));
+        }
+        cli
     }
 }
 
@@ -58,6 +81,10 @@ pub struct GlobalArgs {
     /// Log format [default: text on a terminal, else json].
     #[arg(long, global = true, env = "LOG_FORMAT", value_name = "json|text")]
     pub log_format: Option<LogFormat>,
+
+    /// Secrets given as flags rather than from the environment or a file: warned about at start.
+    #[arg(skip)]
+    pub secret_flags: Vec<String>,
 }
 
 /// One variant per command; each operator command is a module of [`crate::ops`].

@@ -130,9 +130,13 @@ pub async fn execute_batch(
 /// rather than the events': the connection or the server going away (class 08, 57P01..57P03), a
 /// lock the batch could not get within `lock_timeout` (55P03: another session holds its rows),
 /// a serialization failure or deadlock (40001, 40P01: retrying succeeds), a server out of
-/// resources (class 53). Anything else — a constraint a handler's deferred write broke at COMMIT,
+/// resources (class 53), or settings wrong for what is in between (a prepared statement gone
+/// between transactions: `inbox_domain::db::misconfiguration`). Anything else — a constraint a handler's deferred write broke at COMMIT,
 /// a statement timeout — is counted: it may be the events', and counting is what parks a poison.
 pub fn is_infrastructure_fault(e: &tokio_postgres::Error) -> bool {
+    if inbox_domain::db::misconfiguration(e).is_some() {
+        return true;
+    }
     let Some(code) = e.code() else { return e.is_closed() };
     let code = code.code();
     code.starts_with("08")

@@ -81,6 +81,9 @@ pub fn main_with(registry: Registry) -> ExitCode {
     let name = program_name();
     let cli = cli::Cli::parse_as(&name);
     inbox_domain::telemetry::init_tracing(cli.global.log_format);
+    for warning in &cli.global.secret_flags {
+        tracing::warn!("{warning}");
+    }
     // One thread: a worker waits on PostgreSQL, and a multi-threaded scheduler's wake-ups cost
     // more CPU per event than they save (docs/performance.md).
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {

@@ -94,6 +94,15 @@ pub async fn run(
                 report_parked(&ctx, &claim.parked);
                 (claim.claimed, claim.parked.len())
             }
+            Err(e) if e.contains(inbox_domain::db::POOLER_FIX) => {
+                tracing::error!(error = %e, "claim failed: the database settings are wrong; retrying");
+                tokio::select! {
+                    _ = ctx.shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(retry_delay) => {}
+                }
+                retry_delay = (retry_delay * 2).min(Duration::from_secs(5));
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "claim failed; retrying");
                 tokio::select! {
@@ -281,6 +290,15 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
                 tracing::info!(
                     outcome = EventOutcome::AlreadyProcessed.as_str(),
                     "event already processed by another worker"
+                );
+            }
+            Outcome::Interrupted(error) if error.contains(inbox_domain::db::POOLER_FIX) => {
+                ctx.metrics.events(EventOutcome::Interrupted, 1);
+                tracing::error!(
+                    outcome = EventOutcome::Interrupted.as_str(),
+                    %error,
+                    attempt_returned = returned as usize == interrupted.len(),
+                    "event interrupted: the database settings are wrong"
                 );
             }
             Outcome::Interrupted(error) => {

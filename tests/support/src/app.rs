@@ -36,6 +36,8 @@ pub fn test_settings(db: &TestDb) -> Settings {
         pool_size: 20,
         db_timeout: Duration::from_secs(2),
         body_timeout: Duration::from_secs(5),
+        min_body_rate: 64 * 1024,
+        sources: Default::default(),
         keep_raw: false,
         handle_signals: false,
     }

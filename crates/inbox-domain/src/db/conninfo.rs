@@ -245,6 +245,17 @@ pub fn resolve(text: &str, env: &dyn Environment) -> anyhow::Result<ConnInfo> {
     Ok(info)
 }
 
+/// Whether the connection string itself carries a password (not the environment): a string
+/// given as a command-line flag then shows it to every user of the machine.
+pub fn names_a_password(text: &str) -> bool {
+    let text = text.trim();
+    let params = match strip_scheme(text) {
+        Some(rest) => parse_url(rest),
+        None => parse_key_values(text),
+    };
+    params.is_ok_and(|params| params.iter().any(|(k, _)| k == "password"))
+}
+
 fn strip_scheme(text: &str) -> Option<&str> {
     text.strip_prefix("postgresql://").or_else(|| text.strip_prefix("postgres://"))
 }

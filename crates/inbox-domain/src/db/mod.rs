@@ -335,9 +335,15 @@ pub async fn check_reachable(pool: &Pool) -> anyhow::Result<()> {
 /// did not send (a refused or closed connection, a TLS failure), the driver's text followed by its
 /// causes, e.g. `error connecting to server: Connection refused (os error 111)`. tokio-postgres'
 /// own `Display` of a server error is only "db error", and of an I/O error only its kind.
+///
+/// An error that shows the settings are wrong for what is between us and the server names the
+/// setting that fixes it ([`misconfiguration`]).
 pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
     if let Some(db) = e.as_db_error() {
-        return format!("{} ({})", db.message(), db.code().code());
+        return match misconfiguration(e) {
+            Some(fix) => format!("{} ({}): {fix}", db.message(), db.code().code()),
+            None => format!("{} ({})", db.message(), db.code().code()),
+        };
     }
     let hint = tls::hint(e);
     let mut text = e.to_string();
@@ -355,6 +361,28 @@ pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
         text.push_str(hint);
     }
     text
+}
+
+/// What [`misconfiguration`] says of a prepared statement gone between transactions.
+pub const POOLER_FIX: &str = "prepared statements do not survive from one transaction to the next: a \
+     transaction-mode pool (PgBouncer's pool_mode = transaction) is in between; set \
+     INBOX_DB_POOLER=transaction (--db-pooler transaction)";
+
+/// The setting that fixes `e`, when `e` shows the settings are wrong rather than the database
+/// unwell: a statement this connection prepared is gone (26000) or another client's is in its
+/// place (42P05) — a transaction-mode pool hands each transaction whatever server connection is
+/// free, and this process was not told ([`Pooler::Transaction`]). Retrying never helps; callers
+/// log it at error level and report it where an operator looks (the ingest's `/readyz`).
+pub fn misconfiguration(e: &tokio_postgres::Error) -> Option<&'static str> {
+    use tokio_postgres::error::SqlState;
+    match e.code() {
+        Some(code)
+            if *code == SqlState::INVALID_SQL_STATEMENT_NAME || *code == SqlState::DUPLICATE_PSTATEMENT =>
+        {
+            Some(POOLER_FIX)
+        }
+        _ => None,
+    }
 }
 
 /// A database error as an `anyhow` error saying what we were doing (see [`describe_db_error`]).
