@@ -18,6 +18,17 @@
 -- A team's own worker writes its own tables: grant them to inbox_worker and inbox_operator (replay
 -- runs the same handlers) in a file of your own, applied the same way.
 
+-- Names in this file resolve in pg_catalog only, before anything is called: on a database where
+-- others may create objects in public (every database created before PostgreSQL 15), a function
+-- planted there (a public.format(text, text), say) would otherwise be the better match for a call
+-- below and run with the rights of the superuser applying this file. The inbox's tables are
+-- named with their schema for the same reason.
+SET search_path = pg_catalog, pg_temp;
+
+-- Nobody but the owner creates objects in public: PostgreSQL 15's default, which databases made
+-- before it (and upgraded since) do not have. Harmless where it already holds.
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+
 -- Roles. A role already there is kept as it is (its password and attributes untouched).
 DO $roles$
 DECLARE
@@ -45,14 +56,14 @@ $connect$;
 -- The owner: the tables, and the right to create more in the schema (later migrations).
 GRANT USAGE, CREATE ON SCHEMA public TO inbox_owner;
 GRANT USAGE ON SCHEMA public TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
-ALTER TABLE webhook_inbox OWNER TO inbox_owner;
-ALTER TABLE invoices OWNER TO inbox_owner;
-ALTER TABLE outbox OWNER TO inbox_owner;
-ALTER TABLE ledger_entries OWNER TO inbox_owner;
-ALTER TABLE operator_audit OWNER TO inbox_owner;
-ALTER TABLE reconciliation_items OWNER TO inbox_owner;
-ALTER TABLE refinery_schema_history OWNER TO inbox_owner;
-ALTER TABLE queue_gauges OWNER TO inbox_owner;
+ALTER TABLE public.webhook_inbox OWNER TO inbox_owner;
+ALTER TABLE public.invoices OWNER TO inbox_owner;
+ALTER TABLE public.outbox OWNER TO inbox_owner;
+ALTER TABLE public.ledger_entries OWNER TO inbox_owner;
+ALTER TABLE public.operator_audit OWNER TO inbox_owner;
+ALTER TABLE public.reconciliation_items OWNER TO inbox_owner;
+ALTER TABLE public.refinery_schema_history OWNER TO inbox_owner;
+ALTER TABLE public.queue_gauges OWNER TO inbox_owner;
 
 -- Every session of these roles, in this database, resolves names the same way, whatever the
 -- server's default: the inbox's schema, and temporary objects last (pg_catalog, not listed, is
@@ -73,7 +84,7 @@ END
 $search_path$;
 
 -- Everyone may read the schema version (the ingest's /readyz; `migrate` as the owner).
-GRANT SELECT ON refinery_schema_history TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
+GRANT SELECT ON public.refinery_schema_history TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
 
 -- inbox_ingest: the group-commit INSERT … ON CONFLICT DO NOTHING RETURNING endpoint, event_id.
 -- Column privileges: it can neither read payloads nor change a row once stored. Besides the event
@@ -81,31 +92,44 @@ GRANT SELECT ON refinery_schema_history TO inbox_ingest, inbox_worker, inbox_ope
 -- held, parked_at, last_error: an unstorable body, a livemode that disagrees with the endpoint).
 GRANT INSERT (provider, endpoint, event_id, event_type, payload, payload_bytes, raw_body, held, parked_at,
               last_error, secret_position, secret_fingerprint, signature_t, signature_v1)
-      ON webhook_inbox TO inbox_ingest;
-GRANT SELECT (provider, endpoint, event_id) ON webhook_inbox TO inbox_ingest;
+      ON public.webhook_inbox TO inbox_ingest;
+GRANT SELECT (provider, endpoint, event_id) ON public.webhook_inbox TO inbox_ingest;
+
+-- What a row says happened is evidence: the event as Stripe signed it (event_id, event_type,
+-- payload, raw_body, payload_bytes), how it was verified (secret_position, secret_fingerprint,
+-- signature_t, signature_v1) and when it arrived (received_at). No role but the owner may change
+-- those: the worker and the operator update the queue's columns only. Granted again from scratch,
+-- so that a table-wide UPDATE granted by an earlier version of this file is taken back.
+REVOKE UPDATE ON public.webhook_inbox FROM inbox_worker, inbox_operator;
 
 -- inbox_worker: claim, lock, mark, record failures and hand back (UPDATE … RETURNING reads), and
 -- the invoice handlers' tables. It never inserts or deletes inbox rows.
-GRANT SELECT, UPDATE ON webhook_inbox TO inbox_worker;
-GRANT SELECT, INSERT, UPDATE ON invoices TO inbox_worker;
-GRANT SELECT, INSERT ON ledger_entries, reconciliation_items TO inbox_worker;
-GRANT INSERT ON outbox TO inbox_worker;
+GRANT SELECT ON public.webhook_inbox TO inbox_worker;
+GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error, processed_at)
+      ON public.webhook_inbox TO inbox_worker;
+GRANT SELECT, INSERT, UPDATE ON public.invoices TO inbox_worker;
+GRANT SELECT, INSERT ON public.ledger_entries, public.reconciliation_items TO inbox_worker;
+GRANT INSERT ON public.outbox TO inbox_worker;
 -- The queue gauges one worker per interval counts and every worker reads (V7).
-GRANT SELECT, UPDATE ON queue_gauges TO inbox_worker;
+GRANT SELECT, UPDATE ON public.queue_gauges TO inbox_worker;
 
--- inbox_operator: reads and requeues (UPDATE), purges (DELETE), replays (the handlers' tables, and
--- the processed mark). Audit rows: insert only, and only the columns an operator declares; the
--- database fills in db_user and client_addr itself.
-GRANT SELECT, UPDATE, DELETE ON webhook_inbox TO inbox_operator;
-GRANT SELECT, INSERT, UPDATE ON invoices TO inbox_operator;
-GRANT SELECT, INSERT ON ledger_entries, reconciliation_items TO inbox_operator;
-GRANT INSERT ON outbox TO inbox_operator;
-GRANT INSERT (actor, action, target, affected) ON operator_audit TO inbox_operator;
-GRANT SELECT (id) ON operator_audit TO inbox_operator;
+-- inbox_operator: reads and requeues (the queue's columns), purges (DELETE), replays (the
+-- handlers' tables, and the processed mark). Audit rows: insert only, and only the columns an
+-- operator declares; the database fills in db_user and client_addr itself.
+GRANT SELECT, DELETE ON public.webhook_inbox TO inbox_operator;
+GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error, processed_at)
+      ON public.webhook_inbox TO inbox_operator;
+GRANT SELECT, INSERT, UPDATE ON public.invoices TO inbox_operator;
+GRANT SELECT, INSERT ON public.ledger_entries, public.reconciliation_items TO inbox_operator;
+GRANT INSERT ON public.outbox TO inbox_operator;
+GRANT INSERT (actor, action, target, affected) ON public.operator_audit TO inbox_operator;
+GRANT SELECT (id) ON public.operator_audit TO inbox_operator;
 
 -- inbox_metrics: the columns the gauges, `stats` and the KEDA query count by; not payload or
 -- last_error (which can quote a payload).
 GRANT SELECT (provider, endpoint, event_id, event_type, received_at, available_at, attempts,
               processed_at, parked_at, payload_bytes, held, secret_position, secret_fingerprint,
-              signature_t) ON webhook_inbox TO inbox_metrics;
-GRANT SELECT ON queue_gauges TO inbox_metrics;
+              signature_t) ON public.webhook_inbox TO inbox_metrics;
+GRANT SELECT ON public.queue_gauges TO inbox_metrics;
+
+RESET search_path;

@@ -154,3 +154,82 @@ async fn every_component_role_has_a_pinned_search_path_that_a_schema_named_after
         assert_eq!(resolved, "webhook_inbox", "{role} resolves the inbox's own table");
     }
 }
+
+/// On a database made before PostgreSQL 15, everyone may create objects in public. A function
+/// planted there by an ordinary role — a better match for a call in deploy/roles.sql than
+/// pg_catalog's own — must never run as the superuser applying the file, and the file takes that
+/// right away from PUBLIC.
+#[tokio::test]
+async fn roles_sql_takes_create_on_public_from_everyone_and_never_calls_a_function_planted_there() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    let mallory = format!("mallory_{}", db.name);
+    admin
+        .batch_execute(&format!(
+            "GRANT CREATE ON SCHEMA public TO PUBLIC;
+             CREATE ROLE {mallory} LOGIN;
+             SET ROLE {mallory};
+             CREATE FUNCTION public.format(text, text) RETURNS text LANGUAGE plpgsql AS $f$
+             BEGIN
+                 EXECUTE 'ALTER ROLE {mallory} SUPERUSER';
+                 RETURN pg_catalog.format($1, $2);
+             END $f$;
+             RESET ROLE;"
+        ))
+        .await
+        .unwrap();
+    let applied = admin.batch_execute(ROLES_SQL).await;
+    let superuser: bool = admin
+        .query_one("SELECT rolsuper FROM pg_roles WHERE rolname = $1", &[&mallory])
+        .await
+        .unwrap()
+        .get(0);
+    let may_create: bool = admin
+        .query_one("SELECT has_schema_privilege($1, 'public', 'CREATE')", &[&mallory])
+        .await
+        .unwrap()
+        .get(0);
+    let path: String = admin.query_one("SHOW search_path", &[]).await.unwrap().get(0);
+    admin.batch_execute(&format!("DROP OWNED BY {mallory}; DROP ROLE {mallory}")).await.unwrap();
+    applied.expect("applying deploy/roles.sql");
+    assert!(!superuser, "the planted function ran as the superuser applying roles.sql");
+    assert!(!may_create, "PUBLIC may still create objects in public");
+    assert_eq!(path, "\"$user\", public", "the file leaves the session's search_path as it found it");
+}
+
+/// The worker and the operators change the queue's columns — attempts, the lease, the park, the
+/// hold, the last error, the processed mark — and nothing of what Stripe sent or how it was
+/// verified: a compromised worker cannot rewrite the evidence.
+#[tokio::test]
+async fn the_worker_and_operator_roles_update_only_the_queue_columns_never_the_evidence() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying deploy/roles.sql");
+    for role in ["inbox_worker", "inbox_operator"] {
+        for column in [
+            "provider",
+            "endpoint",
+            "event_id",
+            "event_type",
+            "payload",
+            "payload_bytes",
+            "raw_body",
+            "received_at",
+            "secret_position",
+            "secret_fingerprint",
+            "signature_t",
+            "signature_v1",
+        ] {
+            forbidden(&db, role, &format!("UPDATE webhook_inbox SET {column} = {column}")).await;
+        }
+        let client = inbox_test_support::db::connect(&config_as(&db, role)).await;
+        client
+            .batch_execute(
+                "UPDATE webhook_inbox SET attempts = attempts, interruptions = interruptions,
+                        available_at = available_at, parked_at = parked_at, held = held,
+                        last_error = last_error, processed_at = processed_at",
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{role} updates the queue's columns: {e}"));
+    }
+}
