@@ -202,9 +202,15 @@ async fn receive(
 /// that would most likely wait in vain for requests that may not.
 pub const MAX_WAITING_FOR_ROOM: usize = 64;
 
-/// Room taken at least when a body first needs some: it grows by doubling (up to the declared
-/// length, or `--max-body` for a chunked body) as the body arrives.
-pub const FIRST_ROOM: usize = 16 * 1024;
+/// Room taken for a body's first bytes, before they are read: it grows by doubling (up to the
+/// declared length, or `--max-body` for a chunked body) as the body arrives. A Stripe event fits
+/// in it whole. Headers that declare a body and send none hold this much at most each: 16 MiB
+/// with every one of the default 256 connections, half of the default budget, so they can never
+/// keep a real delivery out.
+pub const FIRST_ROOM: usize = 64 * 1024;
+
+/// Chunks smaller than this are copied together rather than kept one by one.
+const SMALL_CHUNK: usize = 4 * 1024;
 
 /// A body's first second is free of the minimum rate (`--min-body-rate`): a connection's first
 /// bytes may wait on a handshake or a window.
@@ -222,14 +228,17 @@ fn declared_length(headers: &HeaderMap, limit: usize) -> Result<Option<usize>, I
 }
 
 /// Reads the body, taking room from the bytes in flight as its bytes arrive — never for bytes
-/// only declared: a header that announces a megabyte holds nothing until the megabyte comes. Room
-/// grows by doubling from [`FIRST_ROOM`], up to the declared length (a chunked body: up to
-/// `--max-body`); without room the request waits up to `--db-timeout` (503 past it, or at once
-/// when [`MAX_WAITING_FOR_ROOM`] requests already wait). The body must arrive within
-/// `--body-timeout`, and after [`MIN_RATE_GRACE`] at `--min-body-rate` on average (the time spent
-/// waiting for room not counted), else 408; at most `--max-body` (413). The room is returned with
-/// the body, shrunk to its size, and goes with it to the batch; on any refusal it is given back on
-/// the spot (dropped).
+/// only declared: a header that announces a megabyte holds [`FIRST_ROOM`] until the megabyte
+/// comes. Room is taken one step ahead of the bytes, before they are read (so that a request
+/// waiting for room holds no chunk it could not store): [`FIRST_ROOM`], then doubling — never
+/// more than twice what arrived (or `FIRST_ROOM`), never past the declared length (a chunked
+/// body: `--max-body`). Without room for its first bytes the request waits up to `--db-timeout`
+/// (503 past it, or at once when [`MAX_WAITING_FOR_ROOM`] requests already wait); without room
+/// to grow, 503 at once (see [`grow`]). The body must arrive within `--body-timeout`, and after
+/// [`MIN_RATE_GRACE`] at `--min-body-rate` on average (the time spent waiting for room not
+/// counted), else 408; at most `--max-body` (413). The room is returned with the body, shrunk to
+/// its size, and goes with it to the batch; on any refusal it is given back on the spot
+/// (dropped). A body in several chunks is joined once whole: for that moment it is held twice.
 async fn read_body(
     state: &AppState,
     declared: Option<usize>,
@@ -243,9 +252,19 @@ async fn read_body(
     let rate = state.min_body_rate.max(1);
     // Time spent waiting for room: the sender is not to blame for it.
     let mut waited = Duration::ZERO;
-    let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(FIRST_ROOM));
+    // The chunks as the HTTP layer hands them over (no copy; small ones copied together in
+    // `small`), joined once the body is whole: a body held in one buffer grown as it arrives
+    // leaves the allocator holes that the budget does not count.
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut small = BytesMut::new();
+    let mut received = 0usize;
     loop {
-        let allowed = MIN_RATE_GRACE + waited + Duration::from_secs_f64(body.len() as f64 / rate as f64);
+        // Room for the next bytes before they are read.
+        if held.bytes() <= received as u64 && (received as u64) < cap {
+            let step = (held.bytes() * 2).max(FIRST_ROOM as u64).min(cap);
+            grow(state, &mut held, step, hard_deadline, &mut waited).await?;
+        }
+        let allowed = MIN_RATE_GRACE + waited + Duration::from_secs_f64(received as f64 / rate as f64);
         let deadline = hard_deadline.min(started + allowed);
         let chunk = match tokio::time::timeout_at(deadline, payload.next()).await {
             Err(_) => return Err(IngestError::BodyTimeout),
@@ -253,25 +272,68 @@ async fn read_body(
             Ok(Some(Err(_read_error))) => return Err(IngestError::BodyRead),
             Ok(Some(Ok(chunk))) => chunk,
         };
-        let size = body.len() + chunk.len();
+        let size = received + chunk.len();
         if size > limit {
             return Err(IngestError::TooLarge);
         }
         if size as u64 > held.bytes() {
-            let grown = (held.bytes() * 2).max(FIRST_ROOM as u64).max(size as u64).min(cap.max(size as u64));
-            let asked = tokio::time::Instant::now();
-            let patience = state.db_timeout.min(hard_deadline.saturating_duration_since(asked));
-            state
-                .bodies
-                .grow_within(&mut held, grown, patience, MAX_WAITING_FOR_ROOM)
-                .await
-                .map_err(IngestError::Busy)?;
-            waited += asked.elapsed();
+            // A chunk larger than the step taken ahead of it.
+            let step = (held.bytes() * 2).max(size as u64).min(cap.max(size as u64));
+            grow(state, &mut held, step, hard_deadline, &mut waited).await?;
         }
-        body.extend_from_slice(&chunk);
+        received += chunk.len();
+        if chunk.len() < SMALL_CHUNK {
+            // A trickle of small chunks is copied together: one handle per byte or two of a body
+            // would cost more memory than the bytes the budget counts.
+            small.extend_from_slice(&chunk);
+            if small.len() >= FIRST_ROOM {
+                chunks.push(small.split().freeze());
+            }
+        } else {
+            if !small.is_empty() {
+                chunks.push(small.split().freeze());
+            }
+            chunks.push(chunk);
+        }
     }
-    held.shrink_to(body.len() as u64);
-    Ok((body.freeze(), held))
+    if !small.is_empty() {
+        chunks.push(small.freeze());
+    }
+    held.shrink_to(received as u64);
+    let body = match chunks.len() {
+        1 => chunks.pop().expect("one chunk"),
+        _ => {
+            let mut body = BytesMut::with_capacity(received);
+            for chunk in chunks {
+                body.extend_from_slice(&chunk);
+            }
+            body.freeze()
+        }
+    };
+    Ok((body, held))
+}
+
+/// Makes `held` hold `bytes`. A body that holds nothing yet waits for room up to `--db-timeout`
+/// (never past its deadline), in turn; one that holds some already and finds no more free is
+/// refused at once, giving back what it holds: requests that each hold part of the budget while
+/// waiting for the rest would fill it with bodies none of which can finish (and each connection
+/// with the unread rest of its body buffered by the HTTP layer). Adds the time waited to `waited`.
+async fn grow(
+    state: &AppState,
+    held: &mut BytesHeld,
+    bytes: u64,
+    deadline: tokio::time::Instant,
+    waited: &mut Duration,
+) -> Result<(), IngestError> {
+    let asked = tokio::time::Instant::now();
+    let patience = if held.bytes() == 0 {
+        state.db_timeout.min(deadline.saturating_duration_since(asked))
+    } else {
+        Duration::ZERO
+    };
+    let grown = state.bodies.grow_within(held, bytes, patience, MAX_WAITING_FOR_ROOM).await;
+    *waited += asked.elapsed();
+    grown.map_err(IngestError::Busy)
 }
 
 /// Reads a chunked body the request is refused for anyway, keeping none of it, to answer 413
