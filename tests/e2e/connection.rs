@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
+use inbox_test_support::app::post_signed_to;
+use inbox_test_support::events::{invoice_paid, SECRET_A};
 use inbox_test_support::process::{command, run_split, start_ingest, Proc};
 use inbox_test_support::tls::{TlsCluster, PASSWORD};
 use inbox_test_support::TestDb;
@@ -124,22 +125,7 @@ async fn the_libpq_environment_pgpass_and_a_rotated_password_file_connect_as_lib
     }
     ingest.env("INBOX_ENDPOINTS", format!("billing={SECRET_A}")).env("INBOX_LISTEN", "127.0.0.1:0");
     let (ingest, base) = tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap();
-    let client = reqwest::Client::new();
-    let post = |id: &'static str| {
-        let client = client.clone();
-        let base = base.clone();
-        async move {
-            let body = invoice_paid(id, "in_rotate", 100);
-            let response = client
-                .post(format!("{base}/webhooks/stripe/billing"))
-                .header("Stripe-Signature", sign(SECRET_A, &body))
-                .body(body)
-                .send()
-                .await
-                .unwrap();
-            response.status().as_u16()
-        }
-    };
+    let post = |id: &'static str| post_signed_to(&base, invoice_paid(id, "in_rotate", 100));
     assert_eq!(post("evt_before_rotation").await, 200, "{}", ingest.output());
     assert_eq!(
         cluster.psql(

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use inbox_test_support::app::post_signed_to;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::{invoice_paid, now, sign, SECRET_A};
 use inbox_test_support::process::{command, run, start_ingest, Proc};
@@ -40,18 +41,21 @@ async fn status_line(stream: &mut TcpStream) -> String {
     String::from_utf8_lossy(&response).lines().next().unwrap_or_default().to_owned()
 }
 
+/// `inbox-ingest` on `db`, endpoint `billing` with secret A, on a free port, with `env`; returns it
+/// and its base URL.
+async fn ingest(db: &TestDb, env: &[(&str, &str)]) -> (Proc, String) {
+    let mut ingest = command("inbox-ingest");
+    ingest.env("DATABASE_URL", db.url()).env("INBOX_LISTEN", "127.0.0.1:0");
+    ingest.env("INBOX_ENDPOINTS", format!("billing={SECRET_A}")).envs(env.iter().copied());
+    tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap()
+}
+
 #[tokio::test]
 async fn forty_headers_declaring_a_mebibyte_each_keep_no_signed_event_out() {
     let db = TestDb::new().await;
     // The defaults (1 MiB bodies, 32 MiB in flight, 5 s database timeout), but a body timeout
     // far longer than the test: only the minimum rate can end the header-only requests in time.
-    let mut ingest = command("inbox-ingest");
-    ingest
-        .env("DATABASE_URL", db.url())
-        .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
-        .env("INBOX_LISTEN", "127.0.0.1:0")
-        .env("INBOX_BODY_TIMEOUT", "120s");
-    let (ingest, base) = tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap();
+    let (ingest, base) = ingest(&db, &[("INBOX_BODY_TIMEOUT", "120s")]).await;
     let address = base.trim_start_matches("http://").to_owned();
 
     let mut holders = Vec::new();
@@ -64,14 +68,7 @@ async fn forty_headers_declaring_a_mebibyte_each_keep_no_signed_event_out() {
 
     // A real delivery meanwhile: stored, not told to come back later.
     let body = invoice_paid("evt_real", "in_real", 100);
-    let reply = inbox_test_support::app::http_client()
-        .post(format!("{base}/webhooks/stripe/billing"))
-        .header("Stripe-Signature", sign(SECRET_A, &body))
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(reply.status().as_u16(), 200, "{}", ingest.output());
+    assert_eq!(post_signed_to(&base, body).await, 200, "{}", ingest.output());
     assert_eq!(db.count("webhook_inbox").await, 1);
 
     // The header-only requests send nothing: 408, from the minimum rate, not the body timeout.
@@ -151,14 +148,7 @@ async fn webhooks_from_outside_the_allowed_networks_are_403_and_the_forwarded_he
 #[tokio::test]
 async fn debug_logs_never_show_a_body_kept_byte_for_byte() {
     let db = TestDb::new().await;
-    let mut ingest = command("inbox-ingest");
-    ingest
-        .env("DATABASE_URL", db.url())
-        .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
-        .env("INBOX_LISTEN", "127.0.0.1:0")
-        .env("INBOX_KEEP_RAW", "true")
-        .env("RUST_LOG", "debug");
-    let (ingest, base) = tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap();
+    let (ingest, base) = ingest(&db, &[("INBOX_KEEP_RAW", "true"), ("RUST_LOG", "debug")]).await;
     // One stored as jsonb and kept raw, one jsonb refuses (a \u0000) kept raw only.
     let with_customer = |id: &str, description: &str| {
         format!(
@@ -170,14 +160,7 @@ async fn debug_logs_never_show_a_body_kept_byte_for_byte() {
         with_customer("evt_pii", "Jane Roe, 1 Main St"),
         with_customer("evt_pii_nul", r"Jane Roe\u0000, 1 Main St"),
     ] {
-        let reply = inbox_test_support::app::http_client()
-            .post(format!("{base}/webhooks/stripe/billing"))
-            .header("Stripe-Signature", sign(SECRET_A, &body))
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(reply.status().as_u16(), 200, "{}", ingest.output());
+        assert_eq!(post_signed_to(&base, body).await, 200, "{}", ingest.output());
     }
     assert_eq!(db.count("webhook_inbox").await, 2);
     assert_eq!(
@@ -291,12 +274,7 @@ async fn verify_names_a_database_error_as_one_and_a_rewritten_event_id_as_tamper
 #[tokio::test]
 async fn a_flood_of_refused_requests_is_counted_exactly_and_logged_a_few_lines_at_a_time() {
     let db = TestDb::new().await;
-    let mut ingest = command("inbox-ingest");
-    ingest
-        .env("DATABASE_URL", db.url())
-        .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
-        .env("INBOX_LISTEN", "127.0.0.1:0");
-    let (ingest, base) = tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap();
+    let (ingest, base) = ingest(&db, &[]).await;
     let http = inbox_test_support::app::http_client();
     for i in 0..300 {
         let body = invoice_paid(&format!("evt_flood_{i}"), "in_flood", 1);

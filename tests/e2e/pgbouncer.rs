@@ -16,17 +16,23 @@ use inbox_test_support::proxy::postgres_addr;
 use inbox_test_support::worker::eventually;
 use inbox_test_support::TestDb;
 
-#[tokio::test]
-async fn ingest_worker_and_operators_work_through_pgbouncer_in_transaction_mode() {
+/// A PgBouncer in transaction mode in front of the test cluster with two server connections for
+/// every client (the ingest's writers, the worker's claims and batches and the operators take
+/// turns on them); None, saying so, where pgbouncer is not installed.
+async fn bouncer() -> Option<PgBouncer> {
     let server = postgres_addr();
     let user = inbox_test_support::db::admin_config().get_user().unwrap_or("postgres").to_owned();
-    // Two server connections for everyone: the ingest's writers, the worker's claims and batches
-    // and the operators all take turns on them.
     let start = move || PgBouncer::start(&server.ip().to_string(), server.port(), &user, 2);
-    let Some(bouncer) = tokio::task::spawn_blocking(start).await.unwrap() else {
+    let bouncer = tokio::task::spawn_blocking(start).await.unwrap();
+    if bouncer.is_none() {
         eprintln!("skipped: pgbouncer is not installed (scripts/ci-deps.sh installs it)");
-        return;
-    };
+    }
+    bouncer
+}
+
+#[tokio::test]
+async fn ingest_worker_and_operators_work_through_pgbouncer_in_transaction_mode() {
+    let Some(bouncer) = bouncer().await else { return };
     let db = TestDb::new().await;
     let client = db.client().await;
     let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
@@ -115,13 +121,7 @@ async fn get(base: &str, path: &str) -> String {
 
 #[tokio::test]
 async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fix_and_turns_unready() {
-    let server = postgres_addr();
-    let user = inbox_test_support::db::admin_config().get_user().unwrap_or("postgres").to_owned();
-    let start = move || PgBouncer::start(&server.ip().to_string(), server.port(), &user, 2);
-    let Some(bouncer) = tokio::task::spawn_blocking(start).await.unwrap() else {
-        eprintln!("skipped: pgbouncer is not installed (scripts/ci-deps.sh installs it)");
-        return;
-    };
+    let Some(bouncer) = bouncer().await else { return };
     let db = TestDb::new().await;
     let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
 

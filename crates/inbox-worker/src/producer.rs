@@ -94,17 +94,12 @@ pub async fn run(
                 report_parked(&ctx, &claim.parked);
                 (claim.claimed, claim.parked.len())
             }
-            Err(e) if e.contains(inbox_domain::db::POOLER_FIX) => {
-                tracing::error!(error = %e, "claim failed: the database settings are wrong; retrying");
-                tokio::select! {
-                    _ = ctx.shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(retry_delay) => {}
-                }
-                retry_delay = (retry_delay * 2).min(Duration::from_secs(5));
-                continue;
-            }
             Err(e) => {
-                tracing::warn!(error = %e, "claim failed; retrying");
+                if e.contains(inbox_domain::db::POOLER_FIX) {
+                    tracing::error!(error = %e, "claim failed: the database settings are wrong; retrying");
+                } else {
+                    tracing::warn!(error = %e, "claim failed; retrying");
+                }
                 tokio::select! {
                     _ = ctx.shutdown.cancelled() => break,
                     _ = tokio::time::sleep(retry_delay) => {}

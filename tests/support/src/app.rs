@@ -133,6 +133,20 @@ pub async fn raw_request(address: &str, request: &[u8]) -> String {
     String::from_utf8_lossy(&response).lines().next().unwrap_or_default().to_owned()
 }
 
+/// POSTs `body`, signed now with secret A, to endpoint `billing` of the service at `base` (a
+/// running `inbox-ingest`); returns the status code.
+pub async fn post_signed_to(base: &str, body: Vec<u8>) -> u16 {
+    http_client()
+        .post(format!("{base}/webhooks/stripe/billing"))
+        .header("Stripe-Signature", crate::events::sign(crate::events::SECRET_A, &body))
+        .body(body)
+        .send()
+        .await
+        .expect("the ingest answers")
+        .status()
+        .as_u16()
+}
+
 /// Sends `requests` (endpoint, Stripe-Signature, body) at once: one thread and one connection
 /// each, lined up on a barrier. Returns the replies in order.
 pub fn concurrent_posts(address: &str, requests: Vec<(String, String, Vec<u8>)>) -> Vec<Reply> {
