@@ -138,9 +138,9 @@ pub struct ConnInfo {
     /// Whether the settings named an `application_name` (the string or `PGAPPNAME`): the
     /// component's own name is then not put in its place.
     pub application_name_given: bool,
-    /// Whether the settings named `keepalives_idle`: the pools' own shorter idle time is then
-    /// not put in its place.
-    pub keepalives_idle_given: bool,
+    /// Whether the settings named `keepalives` or `keepalives_idle`: the pools' own (on, a
+    /// shorter idle time) are then not put in their place.
+    pub keepalives_given: bool,
     /// What the caller should log once logging is up (an insecure password file ignored, …).
     pub warnings: Vec<String>,
 }
@@ -792,7 +792,7 @@ fn build(params: &Params, env: &dyn Environment) -> anyhow::Result<ConnInfo> {
         tls: TlsSettings { mode, root_certs, client_cert },
         password,
         application_name_given: application_name.is_some(),
-        keepalives_idle_given: value("keepalives_idle").is_some(),
+        keepalives_given: value("keepalives").is_some() || value("keepalives_idle").is_some(),
         warnings,
     })
 }
@@ -923,6 +923,9 @@ mod tests {
             [tokio_postgres::config::Host::Unix("/var/run/postgresql".into())]
         );
         assert_eq!(info.config.get_user(), Some("runner"), "libpq's default user: the process's");
+        let info = resolve_url("postgres://u@h/db?keepalives=0&tcp_user_timeout=1500").unwrap();
+        assert!(!info.config.get_keepalives() && info.keepalives_given, "the user's keepalives are kept");
+        assert_eq!(info.config.get_tcp_user_timeout(), Some(&Duration::from_millis(1500)), "milliseconds");
     }
 
     #[test]

@@ -60,8 +60,9 @@ pub struct DatabaseConfig {
     /// Whether the user named the `application_name` (then each component's own name is not put
     /// in its place).
     application_name_given: bool,
-    /// Whether the user set `keepalives_idle` (then the pools' shorter one is not put in its place).
-    keepalives_idle_given: bool,
+    /// Whether the user set `keepalives` or `keepalives_idle` (then the pools' own are not put in
+    /// their place).
+    keepalives_given: bool,
     /// The last password read from the password file: used when a later read fails (a file being
     /// replaced), so one bad read does not stop every new connection.
     last_password: std::sync::Arc<std::sync::Mutex<Option<String>>>,
@@ -78,7 +79,7 @@ impl DatabaseConfig {
             password: PasswordSource::Fixed,
             pooler: Pooler::None,
             application_name_given: false,
-            keepalives_idle_given: false,
+            keepalives_given: false,
             last_password: Default::default(),
             connector,
         })
@@ -258,7 +259,7 @@ pub fn parse_database_url(url: &str) -> anyhow::Result<DatabaseConfig> {
     let mut database = DatabaseConfig::new(info.config, info.tls)?;
     database.password = info.password;
     database.application_name_given = info.application_name_given;
-    database.keepalives_idle_given = info.keepalives_idle_given;
+    database.keepalives_given = info.keepalives_given;
     Ok(database)
 }
 
@@ -276,7 +277,7 @@ pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Resu
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(opts.timeout);
     }
-    if !database.keepalives_idle_given {
+    if !database.keepalives_given {
         pg.keepalives(true);
         pg.keepalives_idle(Duration::from_secs(30));
     }
