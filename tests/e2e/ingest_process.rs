@@ -55,6 +55,22 @@ async fn start_up_refusals_exit_1_with_a_clear_message() {
     cmd.arg("--no-such-flag");
     let (code, _) = run(cmd, Duration::from_secs(20));
     assert_eq!(code, 2);
+    // An allow-list that came out empty (a failed fetch of Stripe's list) stops the ingest rather
+    // than opening it to everyone; so does a proxy list with no allow-list to serve.
+    for (name, value, says) in [
+        ("INBOX_ALLOW_FROM", "", "unset the variable"),
+        ("INBOX_ALLOW_FROM", "203.0.113.0/24,", "unset the variable"),
+        ("INBOX_ALLOW_FROM", "stripe", "CIDR notation"),
+    ] {
+        let mut cmd = ingest(&url, &good);
+        cmd.env(name, value);
+        let (code, output) = run(cmd, Duration::from_secs(20));
+        assert_eq!(code, 2, "{name}={value:?}: {output}");
+        assert!(output.contains(says), "{output}");
+    }
+    let mut cmd = ingest(&url, &good);
+    cmd.env("INBOX_TRUSTED_PROXIES", "10.0.0.0/8");
+    assert_refused(cmd, "only read for --allow-from");
 }
 
 #[test]

@@ -22,8 +22,13 @@ pub struct SourcePolicy {
 }
 
 /// Parses one network: `CIDR` (`10.0.0.0/8`, `2600:1f18::/32`) or a single address.
+/// An empty entry is refused, not skipped: an allow-list that came out empty (a fetch of Stripe's
+/// list that failed, say) must stop the ingest, not open it to everyone.
 pub fn parse_network(text: &str) -> Result<IpNet, String> {
     let text = text.trim();
+    if text.is_empty() {
+        return Err("an empty entry (unset the variable to accept webhooks from anywhere)".to_owned());
+    }
     text.parse::<IpNet>().or_else(|_| text.parse::<IpAddr>().map(IpNet::from)).map_err(|_| {
         "expected an address or a network in CIDR notation (203.0.113.0/24, 2001:db8::/32)".to_owned()
     })
@@ -104,5 +109,6 @@ mod tests {
         assert!(p.admits(Some(ip("::ffff:203.0.113.9")), &headers(&[])));
         assert!(policy(&[], &[]).admits(None, &headers(&[])));
         assert!(parse_network("300.1.1.1").is_err());
+        assert!(parse_network(" ").unwrap_err().contains("unset the variable"), "an empty list never opens");
     }
 }
