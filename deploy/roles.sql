@@ -64,6 +64,7 @@ ALTER TABLE public.operator_audit OWNER TO inbox_owner;
 ALTER TABLE public.reconciliation_items OWNER TO inbox_owner;
 ALTER TABLE public.refinery_schema_history OWNER TO inbox_owner;
 ALTER TABLE public.queue_gauges OWNER TO inbox_owner;
+ALTER TABLE public.inbox_workers OWNER TO inbox_owner;
 
 -- Every session of these roles, in this database, resolves names the same way, whatever the
 -- server's default: the inbox's schema, and temporary objects last (pg_catalog, not listed, is
@@ -112,6 +113,8 @@ GRANT SELECT, INSERT ON public.ledger_entries, public.reconciliation_items TO in
 GRANT INSERT ON public.outbox TO inbox_worker;
 -- The queue gauges one worker per interval counts and every worker reads (V7).
 GRANT SELECT, UPDATE ON public.queue_gauges TO inbox_worker;
+-- Each worker's row saying what it claims (V9): written at start, refreshed, removed at stop.
+GRANT SELECT, INSERT, UPDATE, DELETE ON public.inbox_workers TO inbox_worker;
 
 -- inbox_operator: reads and requeues (the queue's columns), purges (DELETE), replays (the
 -- handlers' tables, and the processed mark). Audit rows: insert only, and only the columns an
@@ -122,6 +125,7 @@ GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error
 GRANT SELECT, INSERT, UPDATE ON public.invoices TO inbox_operator;
 GRANT SELECT, INSERT ON public.ledger_entries, public.reconciliation_items TO inbox_operator;
 GRANT INSERT ON public.outbox TO inbox_operator;
+GRANT SELECT ON public.inbox_workers TO inbox_operator;
 GRANT INSERT (actor, action, target, affected) ON public.operator_audit TO inbox_operator;
 GRANT SELECT (id) ON public.operator_audit TO inbox_operator;
 
@@ -130,6 +134,6 @@ GRANT SELECT (id) ON public.operator_audit TO inbox_operator;
 GRANT SELECT (provider, endpoint, event_id, event_type, received_at, available_at, attempts,
               processed_at, parked_at, payload_bytes, held, secret_position, secret_fingerprint,
               signature_t) ON public.webhook_inbox TO inbox_metrics;
-GRANT SELECT ON public.queue_gauges TO inbox_metrics;
+GRANT SELECT ON public.queue_gauges, public.inbox_workers TO inbox_metrics;
 
 RESET search_path;

@@ -103,6 +103,8 @@ async fn every_metric_the_alerts_and_the_dashboard_use_is_exported() {
         "100ms",
         "--metrics-listen",
         "127.0.0.1:0",
+        "--ignore",
+        "customer.*",
     ]);
     let (worker, address) = inbox_test_support::process::start_worker_with_metrics(cmd);
     let http = inbox_test_support::app::http_client();

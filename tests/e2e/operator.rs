@@ -263,8 +263,8 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
     assert_eq!(
         empty,
         json!({"unprocessed": 0, "ready": 0, "leased": 0, "retry_wait": 0, "needs_review": 0,
-               "oldest_unprocessed_age_seconds": null, "processed_last_hour": 0, "by_event_type": [],
-               "by_secret": []})
+               "oldest_unprocessed_age_seconds": null, "processed_last_hour": 0, "no_handler": 0,
+               "by_event_type": [], "by_secret": [], "workers": []})
     );
 
     seed(
@@ -295,11 +295,13 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
             "by_secret",
             "leased",
             "needs_review",
+            "no_handler",
             "oldest_unprocessed_age_seconds",
             "processed_last_hour",
             "ready",
             "retry_wait",
-            "unprocessed"
+            "unprocessed",
+            "workers"
         ]
     );
     assert_eq!(stats["unprocessed"], 4);
@@ -314,8 +316,8 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
     assert_eq!(
         stats["by_event_type"],
         json!([
-            {"event_type": "invoice.created", "unprocessed": 1, "needs_review": 0, "processed_last_hour": 1},
-            {"event_type": "invoice.paid", "unprocessed": 3, "needs_review": 1, "processed_last_hour": 0},
+            {"event_type": "invoice.created", "unprocessed": 1, "needs_review": 0, "no_handler": 0, "processed_last_hour": 1},
+            {"event_type": "invoice.paid", "unprocessed": 3, "needs_review": 1, "no_handler": 0, "processed_last_hour": 0},
         ])
     );
 

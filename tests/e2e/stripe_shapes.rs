@@ -3,7 +3,7 @@
 //! (`tests/fixtures/stripe-openapi/`, see `inbox_test_support::stripe_fixtures`), plus Connect
 //! events, thin events (`v2.core.event`) and Accounts v2 invoices (`customer: null`,
 //! `customer_account`). Signed and posted to `inbox-ingest`, processed by the stock
-//! `inbox-worker run` (the invoice handlers), both as processes.
+//! `inbox-worker run` (the invoice handlers, every other type ignored), both as processes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -282,9 +282,19 @@ async fn every_stripe_event_type_built_from_stripes_fixtures_is_stored_and_proce
         .env("INBOX_LISTEN", "127.0.0.1:0");
     let (ingest, base) = start_ingest(ingest);
     // A short attempt budget: an event a handler refuses parks within seconds, and the failure
-    // below names it with its error, instead of the test waiting out the default backoff.
+    // below names it with its error, instead of the test waiting out the default backoff. Every
+    // type without a handler is ignored explicitly (`--ignore '*'`): a worker claims only the
+    // types it handles or ignores.
     let mut worker = command("inbox-worker");
-    worker.env("DATABASE_URL", db.url()).args(["run", "--poll-interval", "100ms", "--max-attempts", "3"]);
+    worker.env("DATABASE_URL", db.url()).args([
+        "run",
+        "--poll-interval",
+        "100ms",
+        "--max-attempts",
+        "3",
+        "--ignore",
+        "*",
+    ]);
     let worker = Proc::spawn(worker);
     worker.wait_for_line("inbox-worker running", Duration::from_secs(30));
 

@@ -144,7 +144,7 @@ async fn a_gauge_count_that_outlives_its_interval_does_not_stay_running_on_the_s
     let observer = db.client().await;
     let waiting_count = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
                            AND application_name = 'inbox-worker' AND wait_event_type = 'Lock'
-                           AND query LIKE '%AS needs_review%'";
+                           AND query LIKE 'WITH queue AS (%'";
     // A count starts within the gauge interval and waits behind the lock...
     assert!(
         eventually(Duration::from_secs(12), || async { scalar(&observer, waiting_count).await > 0 }).await,

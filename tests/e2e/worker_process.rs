@@ -245,6 +245,13 @@ async fn worker_metrics_report_outcomes_and_queue_gauges() {
         &inbox_test_support::events::invoice_event("evt_2", "customer.created", "in_2", "open", 0),
     )
     .await;
+    // A type this worker neither handles nor ignores: left for a worker that handles it.
+    store_event(
+        &client,
+        "billing",
+        &inbox_test_support::events::invoice_event("evt_3", "charge.refunded", "in_3", "open", 0),
+    )
+    .await;
     // A parked row: the gauges must come from the database, not from defaults.
     store_event(&client, "billing", &invoice_paid("evt_parked", "in_3", 100)).await;
     client
@@ -256,7 +263,7 @@ async fn worker_metrics_report_outcomes_and_queue_gauges() {
         .unwrap();
     let (_worker, address) = inbox_test_support::process::start_worker_with_metrics(worker(
         &db,
-        &["--metrics-listen", "127.0.0.1:0"],
+        &["--metrics-listen", "127.0.0.1:0", "--ignore", "customer.*"],
     ));
     let http = inbox_test_support::app::http_client();
     let scrape = || {
@@ -267,8 +274,9 @@ async fn worker_metrics_report_outcomes_and_queue_gauges() {
         let text = scrape().await;
         text.contains(r#"inbox_worker_events_total{outcome="processed"} 1"#)
             && text.contains(r#"inbox_worker_events_total{outcome="ignored"} 1"#)
-            && text.contains("inbox_unprocessed 1")
+            && text.contains("inbox_unprocessed 2")
             && text.contains("inbox_needs_review 1")
+            && text.contains("inbox_no_handler 1")
     })
     .await;
     let text = scrape().await;

@@ -10,7 +10,7 @@ use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::{self, Failure};
 use inbox_test_support::db::{column, scalar, slow_writes};
 use inbox_test_support::events::{invoice_event, invoice_paid};
-use inbox_test_support::worker::{claim, eventually, execute, pool, store_event, test_limits};
+use inbox_test_support::worker::{claim, claim_for, eventually, execute, pool, store_event, test_limits};
 use inbox_test_support::TestDb;
 use inbox_worker::completer::FailureRecord;
 use inbox_worker::executor::Outcome;
@@ -21,11 +21,12 @@ fn invoices() -> Registry {
     Registry::with_invoice_handlers()
 }
 
-/// Claims and executes everything ready, one row at a time; returns the outcomes.
+/// Claims what `registry` claims and executes everything ready of it, one row at a time; returns
+/// the outcomes.
 async fn drain(pool: &deadpool_postgres::Pool, registry: &Registry) -> Vec<Outcome> {
     let mut outcomes = Vec::new();
     loop {
-        let rows = claim(pool, 1, LEASE, 10).await;
+        let rows = claim_for(pool, registry, 1, LEASE, 10).await;
         let Some(row) = rows.first() else { return outcomes };
         outcomes.push(execute(pool, registry, row, &test_limits(Duration::from_secs(5))).await);
     }
@@ -74,7 +75,17 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     let pool = pool(&db, 1);
     let conn = pool.get().await.unwrap();
     let started = std::time::Instant::now();
-    let error = queue::claim(&conn, 10, 10, i64::MAX, LEASE, Duration::from_millis(300)).await.unwrap_err();
+    let error = queue::claim(
+        &conn,
+        &inbox_test_support::worker::EVERY_TYPE,
+        10,
+        10,
+        i64::MAX,
+        LEASE,
+        Duration::from_millis(300),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(error.code(), Some(&tokio_postgres::error::SqlState::QUERY_CANCELED), "{error}");
     assert!(started.elapsed() < Duration::from_millis(1500), "the server gave up, not the trigger");
     let row =
@@ -85,7 +96,17 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     assert_eq!(timeout, "0", "the claim's limits ended with its transaction");
 
     client.batch_execute("DROP TRIGGER slow ON webhook_inbox").await.unwrap();
-    let claimed = queue::claim(&conn, 10, 10, i64::MAX, LEASE, Duration::from_millis(300)).await.unwrap();
+    let claimed = queue::claim(
+        &conn,
+        &inbox_test_support::worker::EVERY_TYPE,
+        10,
+        10,
+        i64::MAX,
+        LEASE,
+        Duration::from_millis(300),
+    )
+    .await
+    .unwrap();
     assert_eq!(claimed.claimed.len(), 1, "the same connection claims once the fault is gone");
 }
 
@@ -104,7 +125,20 @@ async fn a_claim_stops_at_its_byte_budget_and_always_takes_one_row() {
     let conn = pool.get().await.unwrap();
     let claim = |limit: i64, budget: i64| {
         let conn = &conn;
-        async move { queue::claim(conn, 10, limit, budget, LEASE, Duration::from_secs(5)).await.unwrap().claimed }
+        async move {
+            queue::claim(
+                conn,
+                &inbox_test_support::worker::EVERY_TYPE,
+                10,
+                limit,
+                budget,
+                LEASE,
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+            .claimed
+        }
     };
     let three = claim(5, 250_000).await;
     assert_eq!(three.len(), 3, "0, 100k and 200k before them are under 250k; the 4th is not");
@@ -229,7 +263,17 @@ async fn a_row_whose_worker_dies_after_every_claim_is_parked_at_the_attempt_limi
     }
     // The next claim meets it at the limit with no outcome recorded: it parks it, with the reason.
     let conn = pool.get().await.unwrap();
-    let next = queue::claim(&conn, 3, 1, i64::MAX, LEASE, Duration::from_secs(5)).await.unwrap();
+    let next = queue::claim(
+        &conn,
+        &inbox_test_support::worker::EVERY_TYPE,
+        3,
+        1,
+        i64::MAX,
+        LEASE,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
     assert!(next.claimed.is_empty(), "a row at the limit is not claimed again");
     assert_eq!(next.parked.iter().map(|p| p.key.event_id.as_str()).collect::<Vec<_>>(), ["evt_1"]);
     let row = client
@@ -398,14 +442,25 @@ async fn a_panicking_handler_is_a_recorded_failure() {
 }
 
 #[tokio::test]
-async fn unknown_event_types_are_processed_without_effect() {
+async fn an_event_type_a_worker_neither_handles_nor_ignores_is_never_claimed_by_it() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let pool = pool(&db, 2);
     store_event(&client, "billing", &invoice_event("evt_1", "customer.created", "in_1", "open", 0)).await;
-    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Ignored]);
-    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL").await, 1);
-    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 0);
+    store_event(&client, "billing", &invoice_paid("evt_2", "in_2", 100)).await;
+    // The invoice worker takes its own type and leaves the other untouched: no attempt counted.
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Processed]);
+    let row = client
+        .query_one("SELECT attempts, processed_at IS NULL FROM webhook_inbox WHERE event_id = 'evt_1'", &[])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i32>(0), row.get::<_, bool>(1)), (0, true), "never claimed, never marked done");
+    // A worker told to ignore the type marks it processed with no effect.
+    let mut ignoring = invoices();
+    ignoring.ignore("customer.*");
+    assert_eq!(drain(&pool, &ignoring).await, [Outcome::Ignored]);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL").await, 2);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM invoices").await, 1);
 }
 
 /// `invoice.paid` before `invoice.created` → paid.
@@ -713,7 +768,7 @@ async fn one_failing_event_does_not_poison_the_others_of_its_batch() {
     let client = db.client().await;
     let pool = pool(&db, 2);
     let mut registry = invoices();
-    registry.register("test.panic", panicking);
+    registry.register("test.panic", panicking).ignore("customer.*");
     store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
     let mut broken: serde_json::Value = serde_json::from_slice(&invoice_paid("evt_2", "in_2", 100)).unwrap();
     broken["data"]["object"].as_object_mut().unwrap().remove("amount_paid");
@@ -777,12 +832,14 @@ async fn queue_rows(client: &tokio_postgres::Client, n: i32, event_type: &str) {
         .unwrap();
 }
 
-/// Planned for their arguments (the worker sends them unnamed), the claim, the lock and the mark
-/// find a batch's rows through the partial index or by TID on a queue of 20k rows — no plan
-/// scans the queue.
+/// Planned for their arguments (the worker sends them unnamed), the claims (of every type, and of
+/// some types), the lock and the mark find a batch's rows through the queue's index or by TID on
+/// a queue of 20k rows — no plan scans the queue.
 #[tokio::test]
 async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_queue() {
-    use inbox_domain::inbox::store::queue::{CLAIM_SQL, LOCK_BY_CTID_SQL, MARK_PROCESSED_SQL};
+    use inbox_domain::inbox::store::queue::{
+        CLAIM_SQL, CLAIM_TYPED_SQL, LOCK_BY_CTID_SQL, MARK_PROCESSED_SQL,
+    };
     let db = TestDb::new().await;
     let client = db.client().await;
     let ctids = format!("('{{{}}}')", (1..=32).map(|i| format!("\"(0,{i})\"")).collect::<Vec<_>>().join(","));
@@ -793,7 +850,14 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
             CLAIM_SQL,
             "int, bigint, float8, bigint",
             "(10, 32, 30.0, 33554432)".to_owned(),
-            "Index Scan using webhook_inbox_queue",
+            "using webhook_inbox_queue_by_type",
+        ),
+        (
+            "typed_claim",
+            CLAIM_TYPED_SQL,
+            "int, bigint, float8, bigint, text[], text[], text[]",
+            "(10, 32, 30.0, 33554432, '{invoice.paid}', '{customer.}', '{customer/}')".to_owned(),
+            "using webhook_inbox_queue_by_type",
         ),
         ("lock", LOCK_BY_CTID_SQL, "text[]", ctids.clone(), "Tid Scan"),
         ("mark", MARK_PROCESSED_SQL, "text[]", ctids, "Tid Scan"),
@@ -836,7 +900,8 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
     let db = TestDb::new().await;
     let client = db.client().await;
     let pool = pool(&db, 1);
-    let registry = invoices();
+    let mut registry = invoices();
+    registry.ignore("test.*");
     let limits = test_limits(Duration::from_secs(5));
     for i in 0..8 {
         for j in 0..32 {
@@ -917,4 +982,73 @@ async fn lease_of(client: &tokio_postgres::Client) -> (std::time::SystemTime, Op
     let row =
         client.query_one("SELECT available_at, last_error, attempts FROM webhook_inbox", &[]).await.unwrap();
     (row.get(0), row.get(1), row.get(2))
+}
+
+/// A worker claims only the types it handles or ignores, and claiming them does not read the
+/// rows of the types it leaves: 20k unhandled rows queued in front of 32 payments, the invoice
+/// worker's claim takes the 32 payments reading a few dozen pages — through
+/// `webhook_inbox_queue_by_type`, one ordered scan per claimed type — where a claim in order of
+/// availability would step over all 20k (thousands of pages).
+#[tokio::test]
+async fn a_typed_claim_reads_the_rows_of_its_types_not_the_unhandled_rows_queued_in_front_of_them() {
+    use inbox_domain::inbox::store::queue::CLAIM_TYPED_SQL;
+    let db = TestDb::new().await;
+    let mut client = db.client().await;
+    queue_rows(&client, 20_000, "customer.updated").await;
+    client
+        .execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, available_at)
+             SELECT 'stripe', 'billing', 'evt_inv_' || i, 'invoice.paid', jsonb_build_object('pad', repeat('x', 1500)),
+                    now() + interval '1 ms'
+               FROM generate_series(1, 32) i",
+            &[],
+        )
+        .await
+        .unwrap();
+    client.batch_execute("VACUUM ANALYZE webhook_inbox").await.unwrap();
+    let filter = invoices().claim_filter();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let tx = client.transaction().await.unwrap();
+    tx.batch_execute(&format!(
+        "PREPARE typed(int, bigint, float8, bigint, text[], text[], text[]) AS {CLAIM_TYPED_SQL}"
+    ))
+    .await
+    .unwrap();
+    let exact = format!("'{{{}}}'", filter.exact.join(","));
+    let plan: Vec<String> = tx
+        .query(
+            &format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE typed(10, 32, 30.0, 33554432, {exact}, '{{}}', '{{}}')"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let claimed: i64 =
+        tx.query_one("SELECT count(*) FROM webhook_inbox WHERE attempts = 1", &[]).await.unwrap().get(0);
+    let types: Vec<String> = tx
+        .query("SELECT DISTINCT event_type FROM webhook_inbox WHERE attempts = 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    tx.rollback().await.unwrap();
+    let plan = plan.join("\n");
+    assert_eq!(claimed, 32, "{plan}");
+    assert_eq!(types, ["invoice.paid"], "only its own types");
+    // The statement's own buffers: the first "Buffers:" line is the top node's, the total.
+    let buffers: u64 = plan
+        .lines()
+        .find(|l| l.trim_start().starts_with("Buffers:"))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|w| w.split_once('=').and_then(|(_, n)| n.parse::<u64>().ok()))
+                .sum()
+        })
+        .unwrap_or(0);
+    assert!(plan.contains("webhook_inbox_queue_by_type"), "{plan}");
+    eprintln!("typed claim: {buffers} buffers for 32 rows behind 20k of another type");
+    assert!(buffers > 0 && buffers < 600, "the claim read {buffers} buffers:\n{plan}");
 }

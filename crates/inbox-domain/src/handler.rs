@@ -125,15 +125,110 @@ where
     }
 }
 
-/// What a worker binary applies: handlers by event type, and the migrations of the tables they
-/// write when those are not the inbox's own. Types without a handler are processed with no
-/// effect ("ignored"). The same registry serves `run` and `replay`, and its migrations run after
-/// the inbox's in `migrate`.
+/// An event-type pattern, as [`Registry::ignore`] and `run --ignore` take it: `*` (every type),
+/// `prefix.*` (every type that starts with `prefix.`), or one type.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EventTypePattern {
+    /// `*`.
+    Any,
+    /// `prefix.*`: the prefix with its final dot.
+    Prefix(String),
+    /// One event type.
+    Exact(String),
+}
+
+impl std::str::FromStr for EventTypePattern {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let text = text.trim();
+        let valid = |s: &str| {
+            !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        };
+        if text == "*" {
+            return Ok(EventTypePattern::Any);
+        }
+        if let Some(prefix) = text.strip_suffix(".*") {
+            if valid(prefix) {
+                return Ok(EventTypePattern::Prefix(format!("{prefix}.")));
+            }
+        } else if valid(text) {
+            return Ok(EventTypePattern::Exact(text.to_owned()));
+        }
+        Err(format!(
+            "{text:?} is not an event-type pattern: use `*`, `prefix.*` (e.g. `customer.*`) or one type \
+             (e.g. `customer.created`)"
+        ))
+    }
+}
+
+impl std::fmt::Display for EventTypePattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EventTypePattern::Any => f.write_str("*"),
+            EventTypePattern::Prefix(prefix) => write!(f, "{prefix}*"),
+            EventTypePattern::Exact(event_type) => f.write_str(event_type),
+        }
+    }
+}
+
+impl EventTypePattern {
+    /// Whether `event_type` matches.
+    pub fn matches(&self, event_type: &str) -> bool {
+        match self {
+            EventTypePattern::Any => true,
+            EventTypePattern::Prefix(prefix) => event_type.starts_with(prefix.as_str()),
+            EventTypePattern::Exact(exact) => event_type == exact,
+        }
+    }
+
+    /// Whether every type `other` matches, this one matches too.
+    fn covers(&self, other: &EventTypePattern) -> bool {
+        match (self, other) {
+            (EventTypePattern::Any, _) => true,
+            (EventTypePattern::Prefix(a), EventTypePattern::Prefix(b)) => b.starts_with(a.as_str()),
+            (_, EventTypePattern::Exact(t)) => self.matches(t),
+            _ => false,
+        }
+    }
+}
+
+/// What a worker with a registry claims (see `store::queue::claim`): every type, or the types it
+/// handles or ignores by name and those that start with one of its ignored prefixes. A worker
+/// never claims an event it could neither apply nor was told to ignore: that event waits for a
+/// worker that can, counted as having no handler (`stats`, `inbox_no_handler`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ClaimFilter {
+    /// Every type (`*` is ignored): the claim takes the oldest ready rows whatever their type.
+    pub all: bool,
+    /// Types claimed by name: the handled ones and those ignored by name. Sorted.
+    pub exact: Vec<String>,
+    /// Prefixes (each ending in `.`) of the types ignored by a `prefix.*`, none covering another.
+    pub prefixes: Vec<String>,
+}
+
+impl ClaimFilter {
+    /// Whether a worker with this filter claims `event_type`.
+    pub fn claims(&self, event_type: &str) -> bool {
+        self.all
+            || self.exact.iter().any(|t| t == event_type)
+            || self.prefixes.iter().any(|p| event_type.starts_with(p.as_str()))
+    }
+}
+
+/// What a worker binary applies: handlers by event type, the types it ignores (processed with no
+/// effect), and the migrations of the tables its handlers write when those are not the inbox's
+/// own. A worker claims only the types it handles or ignores ([`Registry::claim_filter`]): an
+/// event of any other type is never marked done by it, and waits for a worker that handles it.
+/// The same registry serves `run` and `replay`, and its migrations run after the inbox's in
+/// `migrate`.
 #[derive(Clone, Default)]
 pub struct Registry {
     handlers: HashMap<String, Arc<dyn Handler>>,
     /// Optional set-based handlers, used for two or more events of a type in one batch.
     batch_handlers: HashMap<String, Arc<dyn BatchHandler>>,
+    /// Types processed with no effect ([`Registry::ignore`]), unless a handler is registered.
+    ignored: Vec<EventTypePattern>,
     /// The application's own migrations, applied by `migrate` after the inbox's.
     migrations: Option<Migrations>,
 }
@@ -191,6 +286,71 @@ impl Registry {
         types
     }
 
+    /// Marks the types `pattern` matches (`*`, `prefix.*`, or one type) as ignored: this worker
+    /// claims them and marks them processed with no effect (outcome `ignored`). A type with a
+    /// handler is always handled, whatever the patterns say.
+    ///
+    /// # Panics
+    /// When `pattern` is not a pattern (see [`EventTypePattern`]): a programming error, caught at
+    /// start-up. Patterns from the outside go through [`EventTypePattern`]'s `FromStr` and
+    /// [`Registry::ignore_pattern`].
+    pub fn ignore(&mut self, pattern: &str) -> &mut Self {
+        let pattern = pattern.parse().unwrap_or_else(|e| panic!("Registry::ignore: {e}"));
+        self.ignore_pattern(pattern)
+    }
+
+    /// [`Registry::ignore`] with a parsed pattern.
+    pub fn ignore_pattern(&mut self, pattern: EventTypePattern) -> &mut Self {
+        if !self.ignored.contains(&pattern) {
+            self.ignored.push(pattern);
+        }
+        self
+    }
+
+    /// The ignore patterns, as given.
+    pub fn ignore_patterns(&self) -> &[EventTypePattern] {
+        &self.ignored
+    }
+
+    /// Whether events of `event_type` are ignored: no handler, and a pattern matches.
+    pub fn ignores(&self, event_type: &str) -> bool {
+        !self.handlers.contains_key(event_type) && self.ignored.iter().any(|p| p.matches(event_type))
+    }
+
+    /// What a worker with this registry claims: the handled types and the ignored ones.
+    pub fn claim_filter(&self) -> ClaimFilter {
+        let broadest: Vec<&EventTypePattern> =
+            self.ignored.iter().filter(|p| !self.ignored.iter().any(|q| q != *p && q.covers(p))).collect();
+        if broadest.contains(&&EventTypePattern::Any) {
+            return ClaimFilter { all: true, ..ClaimFilter::default() };
+        }
+        let mut prefixes: Vec<String> = broadest
+            .iter()
+            .filter_map(|p| match p {
+                EventTypePattern::Prefix(prefix) => Some(prefix.clone()),
+                _ => None,
+            })
+            .collect();
+        prefixes.sort_unstable();
+        prefixes.dedup();
+        let by_name = broadest.iter().filter_map(|p| match p {
+            EventTypePattern::Exact(t) => Some(t.as_str()),
+            _ => None,
+        });
+        let mut exact: Vec<String> = self
+            .handlers
+            .keys()
+            .map(String::as_str)
+            .chain(by_name)
+            // A type a prefix claims already is not claimed twice.
+            .filter(|t| !prefixes.iter().any(|p| t.starts_with(p.as_str())))
+            .map(str::to_owned)
+            .collect();
+        exact.sort_unstable();
+        exact.dedup();
+        ClaimFilter { all: false, exact, prefixes }
+    }
+
     /// Sets the migrations of the application's own tables, which `migrate` applies after the
     /// inbox's, with their own history table (see [`Migrations`]).
     pub fn migrations(&mut self, migrations: Migrations) -> &mut Self {
@@ -208,6 +368,7 @@ impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry")
             .field("event_types", &self.event_types())
+            .field("ignored", &self.ignored)
             .field("migrations", &self.migrations)
             .finish()
     }
@@ -233,6 +394,51 @@ mod tests {
             registry.get_batch("invoice.paid").is_none(),
             "a set-based handler must not outlive its per-event one"
         );
+    }
+
+    #[test]
+    fn a_worker_claims_what_it_handles_or_ignores_and_handling_wins_over_ignoring() {
+        let mut registry = Registry::with_invoice_handlers();
+        let filter = registry.claim_filter();
+        assert!(!filter.all);
+        assert!(filter.claims("invoice.paid") && !filter.claims("customer.created"));
+        assert!(filter.prefixes.is_empty());
+
+        registry
+            .ignore("customer.*")
+            .ignore("customer.subscription.*")
+            .ignore("customer.created")
+            .ignore("charge.succeeded")
+            .ignore("invoice.*");
+        let filter = registry.claim_filter();
+        // The narrower patterns are covered by customer.* and invoice.*; the handled invoice types
+        // are claimed through the prefix.
+        assert_eq!(filter.prefixes, ["customer.", "invoice."]);
+        assert_eq!(filter.exact, ["charge.succeeded"]);
+        assert!(filter.claims("customer.subscription.created") && filter.claims("invoice.upcoming"));
+        assert!(!filter.claims("charge.refunded") && !filter.claims("customerx.created"));
+        assert!(registry.ignores("invoice.upcoming"), "no handler, a pattern matches");
+        assert!(!registry.ignores("invoice.paid"), "a handled type is handled, whatever the patterns");
+
+        registry.ignore("*");
+        assert_eq!(registry.claim_filter(), ClaimFilter { all: true, ..ClaimFilter::default() });
+        assert!(registry.ignores("anything.at_all") && !registry.ignores("invoice.paid"));
+    }
+
+    #[test]
+    fn patterns_are_a_star_a_prefix_or_one_type() {
+        let parse = |s: &str| s.parse::<EventTypePattern>();
+        assert_eq!(parse("*"), Ok(EventTypePattern::Any));
+        assert_eq!(parse(" customer.* "), Ok(EventTypePattern::Prefix("customer.".into())));
+        assert_eq!(
+            parse("v2.core.event_destination.ping"),
+            Ok(EventTypePattern::Exact("v2.core.event_destination.ping".into()))
+        );
+        for bad in ["", "customer*", "*.created", "customer.*.created", "a b", ".*", "customer.%"] {
+            let error = parse(bad).unwrap_err();
+            assert!(error.contains("not an event-type pattern"), "{bad}: {error}");
+        }
+        assert_eq!(parse("customer.*").unwrap().to_string(), "customer.*");
     }
 
     #[test]

@@ -147,6 +147,13 @@ pub struct RunArgs {
     #[arg(long, env = "INBOX_WORKER_METRICS", value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
 
+    /// Event types to mark processed with no effect, besides those this binary handles: `*`,
+    /// `prefix.*` or one type, comma-separated (a handled type is always handled). A type neither
+    /// handled nor ignored is never claimed: it waits for a worker that handles it, counted by
+    /// `stats` as no_handler.
+    #[arg(long, env = "INBOX_IGNORE", value_delimiter = ',', value_name = "PATTERN[,PATTERN…]")]
+    pub ignore: Vec<String>,
+
     /// After SIGTERM/SIGINT, how long in-flight events may take to finish.
     #[arg(long, env = "INBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,

@@ -150,8 +150,10 @@ pub fn is_infrastructure_fault(e: &tokio_postgres::Error) -> bool {
 enum Step<'r> {
     /// Not returned by the lock statements: processed by another worker meanwhile.
     Gone,
-    /// No handler for its type: marked processed with no effect.
+    /// Its type is ignored (`Registry::ignore`): marked processed with no effect.
     Ignore { ctid: String },
+    /// Neither handled nor ignored (the claim never takes such a row): not touched here.
+    NotOurs,
     /// Its handler runs; then the row is marked processed.
     Run { handler: &'r dyn Handler, event: InboxEvent, ctid: String },
 }
@@ -162,6 +164,10 @@ impl Step<'_> {
         match self {
             Step::Gone => Outcome::AlreadyProcessed,
             Step::Ignore { .. } => Outcome::Ignored,
+            // Given back with its attempt, never marked done here.
+            Step::NotOurs => Outcome::Interrupted(
+                "handed back: this worker neither handles nor ignores the event's type".to_owned(),
+            ),
             Step::Run { .. } => Outcome::Processed,
         }
     }
@@ -169,7 +175,7 @@ impl Step<'_> {
     /// Where the locked row is, unless another worker processed it.
     fn ctid(&self) -> Option<&str> {
         match self {
-            Step::Gone => None,
+            Step::Gone | Step::NotOurs => None,
             Step::Ignore { ctid } | Step::Run { ctid, .. } => Some(ctid),
         }
     }
@@ -198,8 +204,11 @@ async fn begin<'c, 'r>(
         .map(|c| match locked.remove(&c.key) {
             None => Step::Gone,
             Some(row) => match registry.get(&row.event.event_type) {
-                None => Step::Ignore { ctid: row.ctid },
                 Some(handler) => Step::Run { handler, event: row.event, ctid: row.ctid },
+                None if registry.ignores(&row.event.event_type) => Step::Ignore { ctid: row.ctid },
+                // The claim takes only what the registry handles or ignores: a row of another type
+                // is not this worker's to mark done. Left as it is, for a worker that handles it.
+                None => Step::NotOurs,
             },
         })
         .collect();

@@ -93,7 +93,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli, registry)) {
+    match runtime.block_on(dispatch(cli, registry, &name)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{name}: error: {e:#}");
@@ -111,7 +111,7 @@ fn program_name() -> String {
 }
 
 /// Runs the parsed command.
-async fn dispatch(cli: cli::Cli, registry: Registry) -> anyhow::Result<()> {
+async fn dispatch(cli: cli::Cli, mut registry: Registry, program: &str) -> anyhow::Result<()> {
     let url = cli
         .global
         .database_url
@@ -122,7 +122,12 @@ async fn dispatch(cli: cli::Cli, registry: Registry) -> anyhow::Result<()> {
     let max_attempts = cli.global.max_attempts;
     match cli.command {
         cli::Command::Run(args) => {
-            let settings = runner::Settings::from_args(database, max_attempts, &args)?;
+            for pattern in args.ignore.iter().filter(|p| !p.trim().is_empty()) {
+                let pattern = pattern.parse().map_err(|e| anyhow::anyhow!("--ignore / INBOX_IGNORE: {e}"))?;
+                registry.ignore_pattern(pattern);
+            }
+            let mut settings = runner::Settings::from_args(database, max_attempts, &args)?;
+            settings.program = program.to_owned();
             runner::run(settings, registry, runner::os_signals()).await
         }
         command => ops::execute(command, database, &registry).await,

@@ -116,6 +116,7 @@ pub struct Metrics {
     pub unprocessed: Gauge,
     pub ready: Gauge,
     pub needs_review: Gauge,
+    pub no_handler: Gauge,
     pub oldest_unprocessed_age_seconds: Gauge<f64, AtomicU64>,
     /// What `/healthz` reports.
     pub heartbeat: Heartbeat,
@@ -161,7 +162,13 @@ impl Metrics {
             unprocessed.clone(),
         );
         let ready = Gauge::default();
-        registry.register("inbox_ready", "Inbox rows a worker may claim now", ready.clone());
+        registry.register("inbox_ready", "Inbox rows a live worker claims and may take now", ready.clone());
+        let no_handler = Gauge::default();
+        registry.register(
+            "inbox_no_handler",
+            "Inbox rows of event types no live worker handles or ignores: they wait, unclaimed",
+            no_handler.clone(),
+        );
         let needs_review = Gauge::default();
         registry.register(
             "inbox_needs_review",
@@ -184,6 +191,7 @@ impl Metrics {
             unprocessed,
             ready,
             needs_review,
+            no_handler,
             oldest_unprocessed_age_seconds,
             heartbeat: Heartbeat::new(),
         }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 use deadpool_postgres::Pool;
 use inbox_domain::budget::ByteBudget;
 use inbox_domain::db::describe_db_error;
-use inbox_domain::handler::Registry;
+use inbox_domain::handler::{ClaimFilter, Registry};
 use inbox_domain::inbox::store::queue::{self, Claim, Claimed, Failure};
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
@@ -22,6 +22,8 @@ use crate::metrics::{EventOutcome, Metrics};
 pub struct Context {
     pub pool: Pool,
     pub registry: Registry,
+    /// What the claims take: the types `registry` handles or ignores (its `claim_filter`).
+    pub claims: ClaimFilter,
     pub limits: Limits,
     pub max_attempts: i32,
     pub lease: Duration,
@@ -149,10 +151,17 @@ fn report_task_end(done: Result<(), tokio::task::JoinError>) {
 async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String> {
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
-        let rows =
-            queue::claim(conn.client(), ctx.max_attempts, want as i64, budget, ctx.lease, ctx.db_timeout / 2)
-                .await
-                .map_err(|e| describe_db_error(&e))?;
+        let rows = queue::claim(
+            conn.client(),
+            &ctx.claims,
+            ctx.max_attempts,
+            want as i64,
+            budget,
+            ctx.lease,
+            ctx.db_timeout / 2,
+        )
+        .await
+        .map_err(|e| describe_db_error(&e))?;
         conn.set_clean(true);
         Ok(rows)
     };

@@ -12,7 +12,7 @@ use inbox_domain::db::{
     PoolOptions, Pooler,
 };
 use inbox_domain::handler::Registry;
-use inbox_domain::inbox::store::gauges;
+use inbox_domain::inbox::store::{gauges, workers};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -34,6 +34,8 @@ pub struct Settings {
     pub poll_interval: Duration,
     pub metrics_listen: Option<SocketAddr>,
     pub shutdown_timeout: Duration,
+    /// The binary's name, recorded with what this worker claims (`inbox_workers.program`).
+    pub program: String,
 }
 
 impl Settings {
@@ -76,6 +78,7 @@ impl Settings {
             poll_interval: args.poll_interval,
             metrics_listen: args.metrics_listen,
             shutdown_timeout: args.shutdown_timeout,
+            program: "inbox-worker".to_owned(),
         })
     }
 }
@@ -150,6 +153,20 @@ where
     )?;
     check_reachable(&pool).await?;
 
+    // Say what this worker claims before claiming anything: the rows of the other types are then
+    // counted as waiting for a handler (stats, inbox_no_handler), not mistaken for a backlog.
+    let claims = registry.claim_filter();
+    let worker_id = worker_id();
+    register(&pool, &worker_id, &settings.program, &registry).await?;
+    if !claims.all && claims.exact.is_empty() && claims.prefixes.is_empty() {
+        tracing::warn!("this worker handles and ignores no event type: it will claim nothing");
+    }
+    tracing::info!(
+        handles = ?registry.event_types(),
+        ignores = ?registry.ignore_patterns().iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "claiming the event types handled or ignored; others wait for a worker that handles them"
+    );
+
     let metrics = Metrics::new();
     let metrics_server = match settings.metrics_listen {
         Some(address) => {
@@ -169,6 +186,13 @@ where
             background.clone(),
         ));
     }
+    tokio::spawn(keep_registered(
+        pool.clone(),
+        worker_id.clone(),
+        settings.program.clone(),
+        registry.clone(),
+        background.clone(),
+    ));
     let wake = Arc::new(Notify::new());
     if settings.database.pooler == Pooler::Transaction {
         // A notification goes to the server connection that LISTENed, which a transaction pool
@@ -197,6 +221,7 @@ where
     let ctx = Arc::new(Context {
         pool: pool.clone(),
         registry,
+        claims,
         limits: settings.limits,
         max_attempts: settings.max_attempts,
         lease: settings.lease,
@@ -224,9 +249,77 @@ where
     if let Some((handle, _)) = metrics_server {
         handle.stop(true).await;
     }
+    // Gone: the types only this worker claimed count as having no handler from now on.
+    let unregister = async {
+        let client = pool.get().await.map_err(|e| describe_pool_error(&e))?;
+        workers::unregister(&**client, &worker_id).await.map_err(|e| describe_db_error(&e))
+    };
+    match tokio::time::timeout(db_timeout, unregister).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(error = e, "could not remove this worker's row (it expires in a minute)")
+        }
+        Err(_) => tracing::warn!("removing this worker's row timed out (it expires in a minute)"),
+    }
     pool.close();
     tracing::info!("inbox-worker stopped");
     Ok(())
+}
+
+/// This process's id in `inbox_workers`: host, process id and start time (unique across
+/// restarts and hosts).
+fn worker_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    let started =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    format!("{host}:{}:{started}", std::process::id())
+}
+
+/// Writes this worker's row (see `store::workers`); a start-up refusal when it cannot.
+async fn register(
+    pool: &deadpool_postgres::Pool,
+    id: &str,
+    program: &str,
+    registry: &Registry,
+) -> anyhow::Result<()> {
+    let client = pool
+        .get()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect to the database: {}", describe_pool_error(&e)))?;
+    workers::register(&**client, id, program, registry)
+        .await
+        .map_err(|e| inbox_domain::db::db_error("recording what this worker claims (inbox_workers)", &e))
+}
+
+/// How often a worker refreshes its row: well within [`workers::LIVE_FOR`].
+pub const REGISTER_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Refreshes this worker's row every [`REGISTER_INTERVAL`] until `stop`; a failed refresh is
+/// logged and tried again at the next interval.
+async fn keep_registered(
+    pool: deadpool_postgres::Pool,
+    id: String,
+    program: String,
+    registry: Registry,
+    stop: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(REGISTER_INTERVAL) => {}
+        }
+        let refresh = register(&pool, &id, &program, &registry);
+        match tokio::time::timeout(REGISTER_INTERVAL, refresh).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = format!("{e:#}"), "refreshing this worker's row failed"),
+            Err(_) => tracing::warn!("refreshing this worker's row timed out"),
+        }
+    }
 }
 
 /// Refreshes the queue gauges every [`metrics::GAUGE_INTERVAL`]: counted by one worker per
@@ -250,6 +343,7 @@ async fn refresh_gauges(
                         metrics.unprocessed.set(g.unprocessed);
                         metrics.ready.set(g.ready);
                         metrics.needs_review.set(g.needs_review);
+                        metrics.no_handler.set(g.no_handler);
                         metrics.oldest_unprocessed_age_seconds.set(g.oldest_unprocessed_age_seconds);
                     }
                     Ok(Err(e)) => {

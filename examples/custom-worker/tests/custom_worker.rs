@@ -756,3 +756,88 @@ async fn parked_for_review(db: &TestDb, client: &Client, worker: &Proc, event_id
     assert_eq!(review["rows"][0]["event_id"], event_id, "{review}");
     review
 }
+
+/// The stock worker and this team's worker on one database, as a rolling deploy or a second
+/// binary has them: the stock worker takes only the invoice types, and the team's events — which
+/// it has no handler for — wait, unclaimed and counted as having no handler, until the team's
+/// worker takes them. Nothing is marked done by a worker that cannot apply it.
+#[tokio::test]
+async fn the_stock_worker_leaves_this_workers_types_for_it_and_nothing_is_lost_on_one_database() {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    let (_ingest, base) = start_ingest_on(&db).await;
+    let mut stock = command("inbox-worker");
+    stock.env("DATABASE_URL", db.url()).args(["run", "--poll-interval", "100ms"]);
+    let stock = tokio::task::spawn_blocking(move || {
+        let proc = Proc::spawn(stock);
+        proc.wait_for_line("inbox-worker running", TIMEOUT);
+        proc
+    })
+    .await
+    .unwrap();
+
+    // Twelve subscriptions, a thin event and two invoice payments.
+    for i in 0..12 {
+        let sub = subscription(&format!("sub_1Mixed{i:02}"), "active", &[OUR_PRICE]);
+        let status =
+            post(&base, &event(&format!("evt_sub_{i}"), "customer.subscription.created", &sub)).await;
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    }
+    let thin_body = bytes(&thin("evt_thin_mixed", ACCOUNT_UPDATED, &account("acct_1Mixed"), None));
+    assert!(post(&base, &thin_body).await.starts_with("HTTP/1.1 200"));
+    for i in 0..2 {
+        let status = post(&base, &invoice_paid(&format!("evt_inv_{i}"), &format!("in_mixed_{i}"), 500)).await;
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    }
+    let invoices_done =
+        eventually(TIMEOUT, || async { scalar(&client, "SELECT count(*) FROM ledger_entries").await == 2 })
+            .await;
+    assert!(invoices_done, "the stock worker books the payments:\n{}", stock.output());
+    // Give the stock worker time to have claimed anything it would claim.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let untouched = "SELECT count(*) FROM webhook_inbox
+                      WHERE processed_at IS NULL AND attempts = 0 AND event_type <> 'invoice.paid'";
+    assert_eq!(
+        scalar(&client, untouched).await,
+        13,
+        "never claimed by the stock worker:\n{}",
+        stock.output()
+    );
+    assert_eq!(scalar(&client, "SELECT count(*) FROM subscriptions").await, 0);
+    assert!(!stock.output().contains(r#""outcome":"ignored""#), "{}", stock.output());
+
+    // stats (either binary) names what waits for a handler, per type.
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).args(["stats", "--json"]);
+    let (code, stdout, output) = tokio::task::spawn_blocking(move || run_split(cmd, TIMEOUT)).await.unwrap();
+    assert_eq!(code, 0, "{output}");
+    let stats: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(stats["no_handler"], 13, "{stats}");
+    let by_type = |t: &str| {
+        stats["by_event_type"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["event_type"] == t)
+            .cloned()
+            .unwrap_or_default()
+    };
+    assert_eq!(by_type("customer.subscription.created")["no_handler"], 12, "{stats}");
+    assert_eq!(by_type(ACCOUNT_UPDATED)["no_handler"], 1, "{stats}");
+    assert_eq!(stats["workers"].as_array().map(Vec::len), Some(1), "{stats}");
+
+    // The team's worker starts: it takes its types; nothing was lost, nothing is left.
+    let team = start_worker(&db, &[]).await;
+    wait_all_processed(&client, &team).await;
+    assert_eq!(scalar(&client, "SELECT count(*) FROM subscriptions").await, 12);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 2, "booked once");
+    let stats = json_of(&db, &["stats"]).await;
+    assert_eq!(stats["no_handler"], 0, "{stats}");
+    assert_eq!(stats["workers"].as_array().map(Vec::len), Some(2), "{stats}");
+    stop_worker(team).await;
+    stop_worker(stock).await;
+    // A worker that stopped is no longer counted.
+    let stats = json_of(&db, &["stats"]).await;
+    assert_eq!(stats["workers"], json!([]), "{stats}");
+}

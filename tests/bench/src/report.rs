@@ -167,7 +167,7 @@ impl Table {
                         exact["dead_tuples"],
                         exact["live_tuples"],
                         size(exact["free_bytes"].as_i64()),
-                        density("webhook_inbox_queue"),
+                        density("webhook_inbox_queue_by_type"),
                         density("webhook_inbox_pkey")
                     ),
                 );
@@ -177,7 +177,7 @@ impl Table {
                 format!(
                     "{} / {} / {}",
                     size(a["table_bytes"].as_i64()),
-                    size(crate::pg::index_bytes(a, "webhook_inbox_queue")),
+                    size(crate::pg::index_bytes(a, "webhook_inbox_queue_by_type")),
                     size(crate::pg::index_bytes(a, "webhook_inbox_pkey"))
                 ),
             );

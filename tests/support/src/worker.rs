@@ -26,6 +26,7 @@ pub fn test_settings(db: &TestDb) -> Settings {
         poll_interval: Duration::from_millis(100),
         metrics_listen: None,
         shutdown_timeout: Duration::from_secs(10),
+        program: "inbox-test-worker".to_owned(),
     }
 }
 
@@ -39,6 +40,10 @@ pub fn test_limits(statement_timeout: Duration) -> Limits {
         deadline: statement_timeout * 4,
     }
 }
+
+/// A claim of every event type (what `run --ignore '*'` claims), for tests of the claim itself.
+pub const EVERY_TYPE: inbox_domain::handler::ClaimFilter =
+    inbox_domain::handler::ClaimFilter { all: true, exact: Vec::new(), prefixes: Vec::new() };
 
 /// A worker running in this process.
 pub struct TestWorker {
@@ -80,7 +85,8 @@ pub fn pool(db: &TestDb, size: usize) -> deadpool_postgres::Pool {
     .unwrap()
 }
 
-/// Claims up to `n` rows with `lease`; returns the claimed rows (not those the claim parked).
+/// Claims up to `n` rows of any type with `lease`; returns the claimed rows (not those the claim
+/// parked).
 pub async fn claim(
     pool: &deadpool_postgres::Pool,
     n: i64,
@@ -90,6 +96,30 @@ pub async fn claim(
     let client = pool.get().await.unwrap();
     inbox_domain::inbox::store::queue::claim(
         &client,
+        &EVERY_TYPE,
+        max_attempts,
+        n,
+        i64::MAX,
+        lease,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap()
+    .claimed
+}
+
+/// Claims up to `n` rows of the types `registry` handles or ignores, as a worker with it does.
+pub async fn claim_for(
+    pool: &deadpool_postgres::Pool,
+    registry: &Registry,
+    n: i64,
+    lease: Duration,
+    max_attempts: i32,
+) -> Vec<Claimed> {
+    let client = pool.get().await.unwrap();
+    inbox_domain::inbox::store::queue::claim(
+        &client,
+        &registry.claim_filter(),
         max_attempts,
         n,
         i64::MAX,

@@ -1,6 +1,8 @@
 //! `stats`: the queue's health — unprocessed rows split into ready, leased, waiting for a retry
 //! and parked, the oldest unprocessed age, what was processed in the last hour — in total and
-//! per event type; and the rows each signing secret verified, per endpoint (for secret rolls).
+//! per event type, with the rows of types no live worker claims (`no_handler`); the live workers
+//! and what each claims; and the rows each signing secret verified, per endpoint (for secret
+//! rolls).
 
 use clap::Args as ClapArgs;
 use inbox_domain::inbox::store::admin;
@@ -29,6 +31,7 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
         ("  leased (in flight)", stats.leased.to_string()),
         ("  retry_wait (after a failure)", stats.retry_wait.to_string()),
         ("  needs_review (parked)", stats.needs_review.to_string()),
+        ("  no_handler (no live worker claims the type)", stats.no_handler.to_string()),
         ("oldest_unprocessed_age", oldest),
         ("processed_last_hour", stats.processed_last_hour.to_string()),
     ] {
@@ -43,6 +46,7 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
             ("event_type", false),
             ("unprocessed", true),
             ("needs_review", true),
+            ("no_handler", true),
             ("processed_last_hour", true),
         ]);
         for t in &stats.by_event_type {
@@ -50,10 +54,30 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
                 t.event_type.clone(),
                 t.unprocessed.to_string(),
                 t.needs_review.to_string(),
+                t.no_handler.to_string(),
                 t.processed_last_hour.to_string(),
             ]);
         }
         text.push_str(&by_type.render());
+    }
+    // Who claims what: the types nobody claims are the no_handler rows above.
+    text.push('\n');
+    if stats.workers.is_empty() {
+        text.push_str("no worker seen in the last minute\n");
+    } else {
+        let mut workers =
+            Table::new(&[("worker", false), ("program", false), ("claims", false), ("seen", true)]);
+        for w in &stats.workers {
+            let mut claims: Vec<String> = w.handles.clone();
+            claims.extend(w.ignores.iter().map(|p| format!("{p} (ignored)")));
+            workers.push(vec![
+                w.id.clone(),
+                w.program.clone(),
+                if claims.is_empty() { "nothing".to_owned() } else { claims.join(", ") },
+                format_age(w.seen_seconds_ago),
+            ]);
+        }
+        text.push_str(&workers.render());
     }
     if !stats.by_secret.is_empty() {
         // During a secret roll: the old secret is safe to remove once it verified nothing for a day.

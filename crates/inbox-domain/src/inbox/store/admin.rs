@@ -48,7 +48,8 @@ SELECT GROUPING(event_type) = 1 AS total,
 );
 
 /// What `stats` reports (also its JSON document). Ready, leased, retry_wait and needs_review
-/// partition the unprocessed rows (see the store's "The states of a row").
+/// partition the unprocessed rows (see the store's "The states of a row"), except that the ready
+/// rows of types no live worker claims are counted in `no_handler` instead of `ready`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Stats {
     pub unprocessed: i64,
@@ -62,9 +63,14 @@ pub struct Stats {
     /// Age of the oldest unprocessed row (since it was received); None when there is none.
     pub oldest_unprocessed_age_seconds: Option<f64>,
     pub processed_last_hour: i64,
+    /// Rows in the queue (not parked) of types no live worker claims: they wait for a worker with
+    /// a handler (or an `--ignore`). 0 when no worker is live (nobody can tell).
+    pub no_handler: i64,
     pub by_event_type: Vec<EventTypeStats>,
     /// Rows per endpoint and verifying secret ([`SECRETS_SQL`]).
     pub by_secret: Vec<SecretStats>,
+    /// The workers seen in the last minute, and what they claim.
+    pub workers: Vec<super::workers::WorkerRow>,
 }
 
 /// `stats` of one event type.
@@ -73,6 +79,8 @@ pub struct EventTypeStats {
     pub event_type: String,
     pub unprocessed: i64,
     pub needs_review: i64,
+    /// Of the unprocessed rows, those in the queue when no live worker claims the type.
+    pub no_handler: i64,
     pub processed_last_hour: i64,
 }
 
@@ -115,8 +123,10 @@ pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_
         needs_review: 0,
         oldest_unprocessed_age_seconds: None,
         processed_last_hour: 0,
+        no_handler: 0,
         by_event_type: Vec::new(),
         by_secret: Vec::new(),
+        workers: super::workers::live(client).await?,
     };
     for row in rows {
         if row.get::<_, bool>("total") {
@@ -128,10 +138,21 @@ pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_
             stats.oldest_unprocessed_age_seconds = row.get("oldest_unprocessed_age_seconds");
             stats.processed_last_hour = row.get("processed_last_hour");
         } else {
+            let event_type: String = row.get("event_type");
+            let (unprocessed, needs_review): (i64, i64) = (row.get("unprocessed"), row.get("needs_review"));
+            let no_handler = if super::workers::claimed(&stats.workers, &event_type) {
+                0
+            } else {
+                // Ready, as the gauges and KEDA count it, is what a live worker would take.
+                stats.ready -= row.get::<_, i64>("ready");
+                unprocessed - needs_review
+            };
+            stats.no_handler += no_handler;
             stats.by_event_type.push(EventTypeStats {
-                event_type: row.get("event_type"),
-                unprocessed: row.get("unprocessed"),
-                needs_review: row.get("needs_review"),
+                event_type,
+                unprocessed,
+                needs_review,
+                no_handler,
                 processed_last_hour: row.get("processed_last_hour"),
             });
         }
@@ -153,25 +174,48 @@ pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_
 }
 
 /// The gauges the worker exports, cheap enough for every few seconds: it reads only unprocessed
-/// rows, each half through its partial index (`webhook_inbox_queue`, `webhook_inbox_parked`),
-/// never the processed history. All providers, as the claim.
+/// rows, each half through its partial index (`webhook_inbox_queue_by_type` grouped by type,
+/// `webhook_inbox_parked`), never the processed history. All providers, as the claim. The rows in
+/// the queue are counted per type first, so that whether a live worker claims a type is asked
+/// once per type, not once per row: `ready` counts the ready rows some live worker claims (what
+/// more workers would take now), `no_handler` the rows in the queue no live worker claims.
 pub const QUEUE_GAUGES_SQL: &str = concat!(
     "\
-SELECT count(*) AS unprocessed,
-       COALESCE(extract(epoch FROM now() - min(received_at))::float8, 0) AS oldest_unprocessed_age_seconds,
-       count(*) FILTER (WHERE ",
+WITH queue AS (
+    SELECT event_type, count(*) AS rows, count(*) FILTER (WHERE available_at <= now()) AS ready,
+           min(received_at) AS oldest
+      FROM webhook_inbox
+     WHERE processed_at IS NULL AND parked_at IS NULL
+     GROUP BY event_type
+), typed AS (
+    SELECT q.*, ",
+    claimed_by_a_live_worker!("q.event_type"),
+    " AS claimed
+      FROM queue AS q
+), parked AS (
+    SELECT count(*) AS rows, min(received_at) AS oldest
+      FROM webhook_inbox
+     WHERE ",
     parked!(),
-    ") AS needs_review,
-       count(*) FILTER (WHERE ",
+    "
+)
+SELECT (SELECT COALESCE(sum(rows), 0) FROM typed)::int8 + parked.rows AS unprocessed,
+       COALESCE(extract(epoch FROM now() - least((SELECT min(oldest) FROM typed), parked.oldest))::float8, 0)
+           AS oldest_unprocessed_age_seconds,
+       parked.rows AS needs_review,
+       (SELECT COALESCE(sum(ready), 0) FROM typed WHERE claimed)::int8 AS ready,
+       (SELECT COALESCE(sum(rows), 0) FROM typed WHERE NOT claimed)::int8 AS no_handler
+  FROM parked"
+);
+
+/// What KEDA scales the workers on (`deploy/k8s/base/worker-scaledobject.yaml`, on one line): the
+/// `ready` of [`QUEUE_GAUGES_SQL`] — ready rows a live worker claims. Rows of types no worker
+/// handles are left out: more workers of the same binaries would not take them either.
+pub const KEDA_READY_SQL: &str = concat!(
+    "SELECT COALESCE(sum(n), 0)::int8 FROM (SELECT event_type, count(*) AS n FROM webhook_inbox WHERE ",
     ready!(),
-    ") AS ready
-  FROM (SELECT processed_at, parked_at, available_at, received_at
-          FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL
-        UNION ALL
-        SELECT processed_at, parked_at, available_at, received_at
-          FROM webhook_inbox WHERE ",
-    parked!(),
-    ") AS unprocessed"
+    " GROUP BY event_type) AS q WHERE ",
+    claimed_by_a_live_worker!("q.event_type")
 );
 
 /// The queue gauges of [`QUEUE_GAUGES_SQL`].
@@ -182,7 +226,11 @@ pub struct QueueGauges {
     pub oldest_unprocessed_age_seconds: f64,
     /// Parked rows.
     pub needs_review: i64,
+    /// Ready rows a live worker claims.
     pub ready: i64,
+    /// Rows in the queue (not parked) of types no live worker claims: they wait for a worker that
+    /// handles them (or an `--ignore`).
+    pub no_handler: i64,
 }
 
 /// Runs [`QUEUE_GAUGES_SQL`].
@@ -193,7 +241,7 @@ pub async fn queue_gauges(
 }
 
 impl QueueGauges {
-    /// The gauges from a row with their four columns by name ([`QUEUE_GAUGES_SQL`], and the
+    /// The gauges from a row with their five columns by name ([`QUEUE_GAUGES_SQL`], and the
     /// shared figures of `store::gauges`).
     pub fn from_row(row: &tokio_postgres::Row) -> Self {
         QueueGauges {
@@ -201,6 +249,7 @@ impl QueueGauges {
             oldest_unprocessed_age_seconds: row.get("oldest_unprocessed_age_seconds"),
             needs_review: row.get("needs_review"),
             ready: row.get("ready"),
+            no_handler: row.get("no_handler"),
         }
     }
 }

@@ -16,7 +16,7 @@ use super::{set_limits, TransactionLimits};
 /// string literal, for `concat!`).
 macro_rules! shared_figures {
     () => {
-        "unprocessed, ready, needs_review,
+        "unprocessed, ready, needs_review, no_handler,
        CASE WHEN unprocessed > 0
             THEN oldest_unprocessed_age_seconds + extract(epoch FROM now() - refreshed_at)::float8
             ELSE 0 END AS oldest_unprocessed_age_seconds
@@ -36,11 +36,11 @@ pub const TAKE_STALE_SQL: &str = concat!(
 /// The shared figures, without waiting for a refresh in progress.
 pub const READ_SQL: &str = concat!("SELECT false AS stale, ", shared_figures!());
 
-/// Writes a fresh count (`$1..$4`), on the row [`TAKE_STALE_SQL`] locked.
+/// Writes a fresh count (`$1..$5`), on the row [`TAKE_STALE_SQL`] locked.
 pub const WRITE_SQL: &str = "\
 UPDATE queue_gauges
    SET refreshed_at = now(), unprocessed = $1, ready = $2, needs_review = $3,
-       oldest_unprocessed_age_seconds = $4";
+       oldest_unprocessed_age_seconds = $4, no_handler = $5";
 
 /// The queue gauges, counted here if the shared figures are older than `interval` and no other
 /// worker is counting, else read as another worker wrote them. Returns the gauges and whether
@@ -60,11 +60,12 @@ pub async fn refresh(
     let (gauges, counted) = match taken.first() {
         Some(row) if row.get::<_, bool>("stale") => {
             let gauges = super::admin::queue_gauges(&tx).await?;
-            let params: [(&(dyn ToSql + Sync), Type); 4] = [
+            let params: [(&(dyn ToSql + Sync), Type); 5] = [
                 (&gauges.unprocessed, Type::INT8),
                 (&gauges.ready, Type::INT8),
                 (&gauges.needs_review, Type::INT8),
                 (&gauges.oldest_unprocessed_age_seconds, Type::FLOAT8),
+                (&gauges.no_handler, Type::INT8),
             ];
             tx.execute_typed(WRITE_SQL, &params).await?;
             (gauges, true)

@@ -26,8 +26,8 @@
 //! The ready and parked conditions are written once, as the macros below, and spliced into every
 //! statement that needs them (the claim, the statistics, the gauges, the operator commands). The
 //! KEDA scaler's query in `deploy/k8s` is the `ready!` count too; a test holds it to this text.
-//! Each is also the predicate of its partial index (`webhook_inbox_queue` holds the rows that are
-//! not parked, `webhook_inbox_parked` the parked ones).
+//! Each is also the predicate of its partial index (`webhook_inbox_queue_by_type` holds the rows
+//! that are not parked, by event type and availability; `webhook_inbox_parked` the parked ones).
 //!
 //! # Plans
 //! The statements the worker runs on the queue ([`queue`]) are sent unnamed (`query_typed`), so
@@ -68,10 +68,32 @@ macro_rules! parked {
     };
 }
 
+/// The condition that a row of event type `$col` (a column, e.g. `"q.event_type"`) is claimed by a
+/// live worker — one whose row in `inbox_workers` was refreshed within [`workers::LIVE_FOR`] — or
+/// that no worker is live at all (then nobody can tell that a type has no handler: the alerts on
+/// workers being down say what is wrong). A string literal, for `concat!`.
+macro_rules! claimed_by_a_live_worker {
+    ($col:literal) => {
+        concat!(
+            "(NOT EXISTS (SELECT 1 FROM inbox_workers WHERE seen_at > now() - interval '1 minute')
+         OR EXISTS (SELECT 1 FROM inbox_workers AS k
+                     WHERE k.seen_at > now() - interval '1 minute'
+                       AND (k.claims_all OR ",
+            $col,
+            " = ANY (k.claims_exact)
+                            OR EXISTS (SELECT 1 FROM unnest(k.claims_prefix) AS prefix
+                                        WHERE starts_with(",
+            $col,
+            ", prefix)))))"
+        )
+    };
+}
+
 pub mod admin;
 pub mod gauges;
 pub mod ingest;
 pub mod queue;
+pub mod workers;
 
 /// The identity of an inbox row.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -189,7 +211,7 @@ mod tests {
     #[test]
     fn the_keda_scaler_counts_the_ready_rows_as_the_claim_defines_them() {
         let manifest = include_str!("../../../../../deploy/k8s/base/worker-scaledobject.yaml");
-        let query = concat!("SELECT count(*) FROM webhook_inbox WHERE ", ready!());
+        let query = admin::KEDA_READY_SQL.split_whitespace().collect::<Vec<_>>().join(" ");
         assert!(
             manifest.contains(&format!("query: \"{query}\"")),
             "deploy/k8s/base/worker-scaledobject.yaml must query exactly `{query}`"

@@ -6,6 +6,7 @@ use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres::{Client, Row, Transaction};
 
 use super::{key_columns, truncate_error, InboxKey};
+use crate::handler::ClaimFilter;
 use crate::inbox::event::InboxEvent;
 
 /// A row a worker claimed: its key, and the values the claim wrote, which identify this claim:
@@ -30,43 +31,31 @@ pub struct Claimed {
     pub bytes: i64,
 }
 
-/// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, not parked,
-/// available — skipping rows other workers hold, and for each counts the attempt and leases it for
-/// `$3` seconds. Its transaction commits before any work starts: a worker that dies mid-event still
-/// used up an attempt, and a poison row stops at the limit.
-///
-/// Memory: the rows are taken in order while the payload bytes before them stay under `$4` (the
-/// worker's free budget), so a claim never holds much more than the budget — at most one row more,
-/// and always at least one row. A row's size is `payload_bytes` (written by the ingest), or for a
-/// row stored before that column existed, its text measured here.
-///
-/// A picked row already at the attempt limit `$1` is not claimed but parked (`parked_at`, and a
-/// `last_error` saying why): its last allowed attempt ended without an outcome — its worker died
-/// or lost its lease — so no failure write parked it. Rows at the limit from before parking was a
-/// state of the row are parked the same way. So is a picked row without a payload (an unstorable
-/// body whose hold someone cleared by hand): nothing could process it, so it is held as
-/// `unstorable` again, not claimed.
-///
-/// Oldest availability first; `ORDER BY` inside the locking subquery keeps the scan on the
-/// partial index `webhook_inbox_queue`. The updates find the locked rows by `ctid` (a TID scan)
-/// instead of a second primary-key lookup per row: a locked row cannot move. A row another
-/// session updated and committed after this statement's snapshot comes out of the lock as its
-/// new version, which that snapshot cannot see: it is left unclaimed this time and stays ready.
-/// Candidates over the budget were locked only for the statement's short transaction. Returns
-/// the claimed rows (`parked` false) and the rows it parked (`parked` true), each with its size.
-pub const CLAIM_SQL: &str = concat!(
-    "\
-WITH candidates AS (
-    SELECT ctid, attempts, available_at, COALESCE(payload_bytes, octet_length(payload::text)) AS bytes,
-           payload IS NULL AS unreadable
-      FROM webhook_inbox
-     WHERE ",
-    ready!(),
-    "
-     ORDER BY available_at
-     LIMIT $2
-       FOR UPDATE SKIP LOCKED
-), picked AS (
+/// The oldest ready rows of one event type, `t.event_type`, at most `$2`, locked (SKIP LOCKED): an
+/// ordered scan of `webhook_inbox_queue_by_type` from the type's first ready row, reading nothing
+/// of the other types. A string literal, for `concat!`.
+macro_rules! ready_rows_of_type {
+    () => {
+        concat!(
+            "SELECT ctid, attempts, available_at,
+                          COALESCE(payload_bytes, octet_length(payload::text)) AS bytes,
+                          payload IS NULL AS unreadable
+                     FROM webhook_inbox AS w
+                    WHERE w.event_type COLLATE \"C\" = t.event_type AND ",
+            ready!(),
+            "
+                    ORDER BY w.available_at
+                    LIMIT $2
+                      FOR UPDATE OF w SKIP LOCKED"
+        )
+    };
+}
+
+/// What both claims do with their candidates (see [`CLAIM_SQL`]): the budget, the attempt limit,
+/// the lease, the park. A string literal, for `concat!`.
+macro_rules! claim_after_candidates {
+    () => {
+        "), picked AS (
     SELECT ctid, attempts, bytes, unreadable
       FROM (SELECT ctid, attempts, bytes, unreadable,
                    sum(bytes) OVER (ORDER BY available_at, ctid ROWS UNBOUNDED PRECEDING) - bytes AS before
@@ -99,6 +88,104 @@ WITH candidates AS (
 SELECT * FROM claimed
 UNION ALL
 SELECT * FROM exhausted"
+    };
+}
+
+/// Claim (transaction 1 of the worker): picks up to `$2` ready rows — unprocessed, not parked,
+/// available — skipping rows other workers hold, and for each counts the attempt and leases it for
+/// `$3` seconds. Its transaction commits before any work starts: a worker that dies mid-event still
+/// used up an attempt, and a poison row stops at the limit.
+///
+/// Memory: the rows are taken in order while the payload bytes before them stay under `$4` (the
+/// worker's free budget), so a claim never holds much more than the budget — at most one row more,
+/// and always at least one row. A row's size is `payload_bytes` (written by the ingest), or for a
+/// row stored before that column existed, its text measured here.
+///
+/// A picked row already at the attempt limit `$1` is not claimed but parked (`parked_at`, and a
+/// `last_error` saying why): its last allowed attempt ended without an outcome — its worker died
+/// or lost its lease — so no failure write parked it. Rows at the limit from before parking was a
+/// state of the row are parked the same way. So is a picked row without a payload (an unstorable
+/// body whose hold someone cleared by hand): nothing could process it, so it is held as
+/// `unstorable` again, not claimed.
+///
+/// Oldest availability first, over every type: the types with ready rows are found by a skip
+/// scan of `webhook_inbox_queue_by_type` (one probe per type: the next type after the last), and
+/// for each the oldest ready rows are read in order and locked, skipping rows other workers hold
+/// ([`ready_rows_of_type!`]); of those, the oldest `$2`. The updates find the locked rows by
+/// `ctid` (a TID scan) instead of a second primary-key lookup per row: a locked row cannot move. A
+/// row another session updated and committed after this statement's snapshot comes out of the
+/// lock as its new version, which that snapshot cannot see: it is left unclaimed this time and
+/// stays ready. Candidates not picked (over the budget, or newer than the oldest `$2` of all
+/// types) were locked only for the statement's short transaction. Returns the claimed rows
+/// (`parked` false) and the rows it parked (`parked` true), each with its size.
+pub const CLAIM_SQL: &str = concat!(
+    "\
+WITH RECURSIVE ready_types(event_type) AS (
+    (SELECT w.event_type COLLATE \"C\"
+       FROM webhook_inbox AS w
+      WHERE ",
+    ready!(),
+    "
+      ORDER BY w.event_type COLLATE \"C\"
+      LIMIT 1)
+    UNION ALL
+    SELECT (SELECT w.event_type COLLATE \"C\"
+              FROM webhook_inbox AS w
+             WHERE w.event_type COLLATE \"C\" > r.event_type AND ",
+    ready!(),
+    "
+             ORDER BY w.event_type COLLATE \"C\"
+             LIMIT 1)
+      FROM ready_types AS r
+     WHERE r.event_type IS NOT NULL
+), candidates AS (
+    SELECT c.*
+      FROM ready_types AS t
+     CROSS JOIN LATERAL (",
+    ready_rows_of_type!(),
+    ") AS c
+     WHERE t.event_type IS NOT NULL
+     ORDER BY available_at
+     LIMIT $2
+",
+    claim_after_candidates!()
+);
+
+/// [`CLAIM_SQL`] for a worker that claims some event types only (see `handler::ClaimFilter`):
+/// `$5` the types it claims by name, `$6`/`$7` the bounds (`low` ≤ type < `high`, in byte order) of
+/// each ignored `prefix.*`; `$1`…`$4` as there. For each type named, its oldest ready rows
+/// ([`ready_rows_of_type!`]: ready rows of the types this worker does not claim are never read,
+/// however many wait in front); for each prefix, any ready rows in its range (ignored types: their
+/// order does not matter). Of those, the oldest `$2`, then the same budget, attempt limit and
+/// updates. A worker that claims several types with backlogs locks up to `$2` rows of each for
+/// the instant the claim takes, and claims the oldest `$2` of them.
+pub const CLAIM_TYPED_SQL: &str = concat!(
+    "\
+WITH candidates AS (
+    SELECT c.*
+      FROM (SELECT c.*
+              FROM unnest($5::text[]) AS t(event_type)
+             CROSS JOIN LATERAL (",
+    ready_rows_of_type!(),
+    ") AS c
+            UNION ALL
+            SELECT c.*
+              FROM unnest($6::text[], $7::text[]) AS p(low, high)
+             CROSS JOIN LATERAL (
+                   SELECT ctid, attempts, available_at,
+                          COALESCE(payload_bytes, octet_length(payload::text)) AS bytes,
+                          payload IS NULL AS unreadable
+                     FROM webhook_inbox AS w
+                    WHERE w.event_type COLLATE \"C\" >= p.low AND w.event_type COLLATE \"C\" < p.high
+                      AND ",
+    ready!(),
+    "
+                    LIMIT $2
+                      FOR UPDATE OF w SKIP LOCKED) AS c) AS c
+     ORDER BY available_at
+     LIMIT $2
+",
+    claim_after_candidates!()
 );
 
 /// What a claim came to: the rows this worker now holds, and those it parked instead.
@@ -113,8 +200,13 @@ pub struct Claim {
 /// transaction of its own whose `statement_timeout` (and `lock_timeout`) is `timeout`: the server abandons a claim that takes longer, so a claim the caller stopped
 /// waiting for (its own deadline is longer) cannot commit leases nobody works (one round trip:
 /// see `query_in_own_transaction`).
+///
+/// `filter` says which event types: every type ([`CLAIM_SQL`]), or those it names and prefixes
+/// ([`CLAIM_TYPED_SQL`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn claim(
     client: &Client,
+    filter: &ClaimFilter,
     max_attempts: i32,
     limit: i64,
     budget: i64,
@@ -122,10 +214,26 @@ pub async fn claim(
     timeout: std::time::Duration,
 ) -> Result<Claim, tokio_postgres::Error> {
     let lease = lease.as_secs_f64();
-    let params: [(&(dyn ToSql + Sync), Type); 4] =
-        [(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8), (&budget, Type::INT8)];
+    let lows: Vec<&str> = filter.prefixes.iter().map(String::as_str).collect();
+    let highs: Vec<String> = filter.prefixes.iter().map(|p| prefix_end(p)).collect();
+    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
+        (&max_attempts, Type::INT4),
+        (&limit, Type::INT8),
+        (&lease, Type::FLOAT8),
+        (&budget, Type::INT8),
+    ];
+    let sql = if filter.all {
+        CLAIM_SQL
+    } else {
+        params.extend([
+            (&filter.exact as &(dyn ToSql + Sync), Type::TEXT_ARRAY),
+            (&lows, Type::TEXT_ARRAY),
+            (&highs, Type::TEXT_ARRAY),
+        ]);
+        CLAIM_TYPED_SQL
+    };
     // On a failed COMMIT the caller discards the connection; leases that did commit expire.
-    let rows = super::query_in_own_transaction(client, timeout, CLAIM_SQL, &params).await?;
+    let rows = super::query_in_own_transaction(client, timeout, sql, &params).await?;
     let mut claim = Claim::default();
     for r in &rows {
         let row = Claimed {
@@ -144,6 +252,16 @@ pub async fn claim(
         }
     }
     Ok(claim)
+}
+
+/// The first string after every string that starts with `prefix`, in byte order: `prefix` with its
+/// last byte one higher (a prefix of event-type characters, all ASCII below `~`).
+fn prefix_end(prefix: &str) -> String {
+    let mut bytes = prefix.as_bytes().to_vec();
+    if let Some(last) = bytes.last_mut() {
+        *last += 1;
+    }
+    String::from_utf8(bytes).expect("ASCII stays ASCII")
 }
 
 /// Locks the claimed rows for processing and re-checks they are still unprocessed (`$1`: the
