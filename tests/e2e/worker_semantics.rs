@@ -287,6 +287,28 @@ async fn a_row_whose_worker_dies_after_every_claim_is_parked_at_the_attempt_limi
     assert_eq!(scalar(&client, "SELECT attempts::bigint FROM webhook_inbox").await, 3);
 }
 
+/// A row whose failed attempts are past a lowered `--max-attempts` is parked by the next claim with
+/// the truth: the limit was lowered, and what its last error was — not "its worker stopped".
+#[tokio::test]
+async fn lowering_the_attempt_limit_below_a_rows_attempts_parks_it_saying_so() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
+    client
+        .batch_execute("UPDATE webhook_inbox SET attempts = 5, last_error = 'payload: no amount_paid'")
+        .await
+        .unwrap();
+    assert!(claim(&pool, 1, LEASE, 3).await.is_empty(), "parked, not claimed");
+    let reason: String = client.query_one("SELECT last_error FROM webhook_inbox", &[]).await.unwrap().get(0);
+    assert!(
+        reason.starts_with("attempt limit lowered to 3 (--max-attempts): the row had used 5 attempts"),
+        "{reason}"
+    );
+    assert!(reason.contains("its last error: payload: no amount_paid"), "{reason}");
+    assert!(!reason.contains("worker stopped"), "{reason}");
+}
+
 /// A's lease expires, B processes, A comes back → A does nothing.
 #[tokio::test]
 async fn a_worker_returning_after_its_lease_was_taken_does_nothing() {

@@ -76,6 +76,9 @@ macro_rules! claim_after_candidates {
            last_error = CASE
                WHEN picked.unreadable THEN
                    'unstorable: no payload to process, the body is kept in raw_body'
+               WHEN w.attempts > $1 THEN
+                   left('attempt limit lowered to ' || $1 || ' (--max-attempts): the row had used '
+                        || w.attempts || ' attempts' || COALESCE('; its last error: ' || w.last_error, ''), 1024)
                ELSE left('attempt ' || w.attempts || ' of ' || $1
                          || ' ended without an outcome (its worker stopped or lost its lease)'
                          || COALESCE('; the attempt before: ' || w.last_error, ''), 1024)
@@ -103,7 +106,8 @@ SELECT * FROM exhausted"
 ///
 /// A picked row already at the attempt limit `$1` is not claimed but parked (`parked_at`, and a
 /// `last_error` saying why): its last allowed attempt ended without an outcome — its worker died
-/// or lost its lease — so no failure write parked it. Rows at the limit from before parking was a
+/// or lost its lease — so no failure write parked it; or, past the limit, the limit was lowered
+/// since its attempts were made (said so, with its last error). Rows at the limit from before parking was a
 /// state of the row are parked the same way. So is a picked row without a payload (an unstorable
 /// body whose hold someone cleared by hand): nothing could process it, so it is held as
 /// `unstorable` again, not claimed.
