@@ -153,3 +153,28 @@ async fn the_libpq_environment_pgpass_and_a_rotated_password_file_connect_as_lib
     drop::<Proc>(ingest);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[tokio::test]
+async fn a_malformed_database_url_is_named_never_echoed_by_either_binary() {
+    for (url, says) in [
+        ("postgress://inbox:Sup3rSecretPw@db.example.com/inbox", "another scheme"),
+        ("host=db.example.com user=inbox password=Sup3r SecretPw dbname=inbox", "entry #4 has no =value"),
+        ("host=db.example.com user=inbox password='Sup3rSecretPw dbname=inbox", "unterminated quoted value"),
+        ("postgres://inbox:Sup3rSecretPw@db.example.com/inbox?sslmode=verify-fullest", "sslmode is not one of"),
+    ] {
+        let (code, output) = worker(&[("DATABASE_URL", url)], &["stats"]).await;
+        assert_eq!(code, 1, "{url}: {output}");
+        assert!(output.contains(says), "{url}: {output}");
+        let mut ingest = command("inbox-ingest");
+        ingest
+            .env("DATABASE_URL", url)
+            .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
+            .env("INBOX_LISTEN", "127.0.0.1:0");
+        let (code, _, ingest_output) = tokio::task::spawn_blocking(move || run_split(ingest, TIMEOUT)).await.unwrap();
+        assert_eq!(code, 1, "{url}: {ingest_output}");
+        assert!(ingest_output.contains(says), "{url}: {ingest_output}");
+        for output in [output, ingest_output] {
+            assert!(!output.contains("Sup3r") && !output.contains("SecretPw"), "echoed: {output}");
+        }
+    }
+}
