@@ -44,6 +44,10 @@ async fn start_up_refusals_exit_1_with_a_clear_message() {
     assert_refused(ingest(&url, &format!("bad name={SECRET_A}")), "invalid name");
     assert_refused(ingest(&url, &format!("billing={SECRET_A};billing={SECRET_A}")), "configured twice");
     assert_refused(ingest(&url, ""), "no endpoint configured");
+    // Two endpoints separated by a comma would make the second a secret of the first.
+    assert_refused(ingest(&url, &format!("billing={SECRET_A},shop={SECRET_A}")), "separate endpoints with `;`");
+    // An API key pasted where the signing secret goes.
+    assert_refused(ingest(&url, "billing=sk_test_51HxQkNotASigningSecret"), "is a Stripe API key (sk_");
 
     // Nothing listens on this port: connection refused.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -154,4 +158,33 @@ async fn sigterm_answers_in_flight_requests_then_exits_0() {
     .unwrap();
     assert_eq!(status.0.code(), Some(0), "{}", status.1.output());
     assert_eq!(db.count("webhook_inbox").await, 1);
+}
+
+#[tokio::test]
+async fn an_odd_secret_and_a_misspelt_endpoint_are_warned_about_by_name() {
+    let db = TestDb::new().await;
+    let cmd = ingest(&db.url(), "billing=not-a-stripe-secret;shop=whsec_fine");
+    let (proc, base) = tokio::task::spawn_blocking(move || start(cmd)).await.unwrap();
+    let body = invoice_paid("evt_case", "in_case", 100);
+    let status = inbox_test_support::app::http_client()
+        .post(format!("{base}/webhooks/stripe/Billing"))
+        .header("Stripe-Signature", sign("not-a-stripe-secret", &body))
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status.as_u16(), 404);
+    let logs = proc.output();
+    let lines: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let secret_warning = lines.iter().find(|l| {
+        l["level"] == "WARN" && l["message"].as_str().is_some_and(|m| m.contains("does not start with whsec_"))
+    });
+    let secret_warning = secret_warning.unwrap_or_else(|| panic!("no warning about the odd secret:\n{logs}"));
+    assert!(secret_warning["message"].as_str().unwrap().contains("\"billing\": its secret #1"), "{secret_warning}");
+    let unknown = lines.iter().find(|l| l["level"] == "WARN" && l["requested"] == "Billing");
+    let unknown = unknown.unwrap_or_else(|| panic!("no warning about the unknown endpoint:\n{logs}"));
+    assert_eq!(unknown["configured"], "billing, shop", "{unknown}");
+    assert!(!logs.contains("not-a-stripe-secret"), "the secret is never printed:\n{logs}");
+    drop(proc);
 }

@@ -68,7 +68,20 @@ pub enum EndpointConfigError {
     ModeForUnknownEndpoint(String),
     #[error("endpoint {0:?} has its mode declared twice")]
     DuplicateMode(String),
+    #[error(
+        "endpoint {0:?}: its secret #{1} looks like another endpoint (NAME=SECRET): separate endpoints \
+         with `;` (INBOX_ENDPOINTS='billing=whsec_…;shop=whsec_…'); `,` separates the secrets of one endpoint"
+    )]
+    EndpointInSecretList(String, usize),
+    #[error(
+        "endpoint {0:?}: its secret #{1} is a Stripe API key ({2}…), not a webhook signing secret: use the \
+         endpoint's signing secret (whsec_…), shown with the endpoint in Stripe's dashboard"
+    )]
+    ApiKeyAsSecret(String, usize, &'static str),
 }
+
+/// Prefixes of Stripe's API keys, which are never webhook signing secrets.
+const API_KEY_PREFIXES: [&str; 6] = ["sk_live_", "sk_test_", "rk_live_", "rk_test_", "pk_live_", "pk_test_"];
 
 /// The longest endpoint name accepted; names appear in URLs, rows and metric labels.
 pub const MAX_ENDPOINT_NAME_LEN: usize = 64;
@@ -99,6 +112,15 @@ pub fn parse_endpoints<S: AsRef<str>>(entries: &[S]) -> Result<Vec<EndpointSpec>
         let secrets: Vec<String> = secrets.split(',').map(|s| s.trim().to_owned()).collect();
         if secrets.iter().any(String::is_empty) {
             return Err(EndpointConfigError::EmptySecret(name.to_owned()));
+        }
+        for (i, secret) in secrets.iter().enumerate() {
+            // `billing=whsec_a,shop=whsec_b`: the second "secret" is an endpoint.
+            if secret.split_once('=').is_some_and(|(n, _)| valid_endpoint_name(n.trim())) {
+                return Err(EndpointConfigError::EndpointInSecretList(name.to_owned(), i + 1));
+            }
+            if let Some(prefix) = API_KEY_PREFIXES.iter().find(|p| secret.starts_with(*p)) {
+                return Err(EndpointConfigError::ApiKeyAsSecret(name.to_owned(), i + 1, &prefix[..3]));
+            }
         }
         if specs.iter().any(|s| s.name == name) {
             return Err(EndpointConfigError::Duplicate(name.to_owned()));
@@ -170,6 +192,25 @@ pub fn split_endpoint_list(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// Warnings for secrets that are accepted but not what Stripe issues (`whsec_…`): a value pasted
+/// from the wrong field signs nothing Stripe sends, and every delivery would be refused. Names the
+/// endpoint and the secret's position, never the secret.
+pub fn secret_warnings(specs: &[EndpointSpec]) -> Vec<String> {
+    specs
+        .iter()
+        .flat_map(|spec| {
+            spec.secrets.iter().enumerate().filter(|(_, s)| !s.starts_with("whsec_")).map(move |(i, _)| {
+                format!(
+                    "endpoint {:?}: its secret #{} does not start with whsec_, as Stripe's signing secrets do: \
+                     check that it is the endpoint's signing secret",
+                    spec.name,
+                    i + 1
+                )
+            })
+        })
+        .collect()
+}
+
 /// Parses a humantime duration (`30s`, `2m`, `1h 30m`); `0` is accepted as zero seconds.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let s = s.trim();
@@ -219,6 +260,24 @@ mod tests {
         for e in [EndpointConfigError::NotNameEqualsSecret(1), EndpointConfigError::BadName(2)] {
             assert!(!e.to_string().contains("whsec"));
         }
+    }
+
+    #[test]
+    fn a_second_endpoint_after_a_comma_or_an_api_key_is_refused_by_name_and_odd_secrets_warned() {
+        let error = parse_endpoints(&["billing=whsec_a,shop=whsec_b"]).unwrap_err();
+        assert_eq!(error, EndpointConfigError::EndpointInSecretList("billing".into(), 2));
+        assert!(error.to_string().contains("separate endpoints with `;`"), "{error}");
+        for key in ["sk_live_51abc", "rk_test_51abc", "pk_live_51abc"] {
+            let error = parse_endpoints(&[format!("billing=whsec_a,{key}")]).unwrap_err();
+            assert!(matches!(error, EndpointConfigError::ApiKeyAsSecret(_, 2, _)), "{error:?}");
+            let text = error.to_string();
+            assert!(text.contains("is a Stripe API key") && !text.contains("51abc"), "{text}");
+        }
+        let specs = parse_endpoints(&["billing=whsec_a,abc123", "shop=whsec_b"]).unwrap();
+        let warnings = secret_warnings(&specs);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("\"billing\": its secret #2 does not start with whsec_"), "{warnings:?}");
+        assert!(!warnings[0].contains("abc123"));
     }
 
     #[test]

@@ -65,15 +65,20 @@ pub async fn receive_webhook(
                 state.metrics.signature_failure(label, reason.reason());
             }
             let left_out = match e {
-                // Scans of random endpoint names are noise, not news.
-                IngestError::UnknownEndpoint => None,
+                IngestError::UnknownEndpoint => state.unknown_endpoint_log.admit(),
                 _ => state.refusal_log.admit(),
             };
             match (e, left_out) {
-                (IngestError::UnknownEndpoint, _) => {
-                    tracing::debug!(outcome = e.outcome(), "webhook refused")
-                }
                 (_, None) => {}
+                // A misspelt endpoint in Stripe's dashboard (names are case-sensitive) loses every
+                // event sent to it: said at warn, with the names that exist.
+                (IngestError::UnknownEndpoint, Some(left_out)) => tracing::warn!(
+                    outcome = e.outcome(),
+                    requested = %endpoint.chars().take(64).collect::<String>(),
+                    configured = %state.endpoint_names,
+                    refusals_not_logged = left_out,
+                    "webhook for an endpoint that is not configured (names are case-sensitive): 404"
+                ),
                 (IngestError::Unavailable(cause), Some(left_out)) => tracing::warn!(
                     outcome = e.outcome(),
                     cause = %cause,

@@ -64,6 +64,11 @@ pub struct AppState {
     pub readiness: Arc<Readiness>,
     /// How many refused requests are logged (all are counted).
     pub refusal_log: LogLimit,
+    /// How many requests for endpoints not configured are logged: apart, so that a scan of
+    /// made-up names does not use up the lines of the other refusals.
+    pub unknown_endpoint_log: LogLimit,
+    /// The configured endpoints' names, sorted, for the line that logs an unknown one.
+    pub endpoint_names: String,
 }
 
 /// Shortest gap between two NOTIFYs from one ingest process. A NOTIFY inside every insert
@@ -125,6 +130,9 @@ impl Application {
         listener: TcpListener,
     ) -> anyhow::Result<Application> {
         let metrics = Metrics::new();
+        for warning in inbox_domain::config::secret_warnings(&settings.endpoints) {
+            tracing::warn!("{warning}");
+        }
         let mut endpoints = HashMap::new();
         for spec in &settings.endpoints {
             let verifier = Verifier::new(&spec.secrets, settings.tolerance)
@@ -171,6 +179,9 @@ impl Application {
         );
         let wake_workers = Arc::new(Notify::new());
         let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
+        let mut names: Vec<&str> = settings.endpoints.iter().map(|e| e.name.as_str()).collect();
+        names.sort_unstable();
+        let endpoint_names = names.join(", ");
         let state = web::Data::new(AppState {
             wake_workers,
             endpoints: Arc::new(endpoints),
@@ -186,6 +197,8 @@ impl Application {
             batcher,
             readiness,
             refusal_log: LogLimit::default(),
+            unknown_endpoint_log: LogLimit::default(),
+            endpoint_names,
         });
         // actix limits connections per server thread: split the limit between them (and use no
         // more threads than connections allowed).
