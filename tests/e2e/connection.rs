@@ -160,7 +160,10 @@ async fn a_malformed_database_url_is_named_never_echoed_by_either_binary() {
         ("postgress://inbox:Sup3rSecretPw@db.example.com/inbox", "another scheme"),
         ("host=db.example.com user=inbox password=Sup3r SecretPw dbname=inbox", "entry #4 has no =value"),
         ("host=db.example.com user=inbox password='Sup3rSecretPw dbname=inbox", "unterminated quoted value"),
-        ("postgres://inbox:Sup3rSecretPw@db.example.com/inbox?sslmode=verify-fullest", "sslmode is not one of"),
+        (
+            "postgres://inbox:Sup3rSecretPw@db.example.com/inbox?sslmode=verify-fullest",
+            "sslmode is not one of",
+        ),
     ] {
         let (code, output) = worker(&[("DATABASE_URL", url)], &["stats"]).await;
         assert_eq!(code, 1, "{url}: {output}");
@@ -170,7 +173,8 @@ async fn a_malformed_database_url_is_named_never_echoed_by_either_binary() {
             .env("DATABASE_URL", url)
             .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
             .env("INBOX_LISTEN", "127.0.0.1:0");
-        let (code, _, ingest_output) = tokio::task::spawn_blocking(move || run_split(ingest, TIMEOUT)).await.unwrap();
+        let (code, _, ingest_output) =
+            tokio::task::spawn_blocking(move || run_split(ingest, TIMEOUT)).await.unwrap();
         assert_eq!(code, 1, "{url}: {ingest_output}");
         assert!(ingest_output.contains(says), "{url}: {ingest_output}");
         for output in [output, ingest_output] {

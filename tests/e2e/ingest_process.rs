@@ -45,7 +45,10 @@ async fn start_up_refusals_exit_1_with_a_clear_message() {
     assert_refused(ingest(&url, &format!("billing={SECRET_A};billing={SECRET_A}")), "configured twice");
     assert_refused(ingest(&url, ""), "no endpoint configured");
     // Two endpoints separated by a comma would make the second a secret of the first.
-    assert_refused(ingest(&url, &format!("billing={SECRET_A},shop={SECRET_A}")), "separate endpoints with `;`");
+    assert_refused(
+        ingest(&url, &format!("billing={SECRET_A},shop={SECRET_A}")),
+        "separate endpoints with `;`",
+    );
     // An API key pasted where the signing secret goes.
     assert_refused(ingest(&url, "billing=sk_test_51HxQkNotASigningSecret"), "is a Stripe API key (sk_");
 
@@ -178,13 +181,45 @@ async fn an_odd_secret_and_a_misspelt_endpoint_are_warned_about_by_name() {
     let logs = proc.output();
     let lines: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let secret_warning = lines.iter().find(|l| {
-        l["level"] == "WARN" && l["message"].as_str().is_some_and(|m| m.contains("does not start with whsec_"))
+        l["level"] == "WARN"
+            && l["message"].as_str().is_some_and(|m| m.contains("does not start with whsec_"))
     });
     let secret_warning = secret_warning.unwrap_or_else(|| panic!("no warning about the odd secret:\n{logs}"));
-    assert!(secret_warning["message"].as_str().unwrap().contains("\"billing\": its secret #1"), "{secret_warning}");
+    assert!(
+        secret_warning["message"].as_str().unwrap().contains("\"billing\": its secret #1"),
+        "{secret_warning}"
+    );
     let unknown = lines.iter().find(|l| l["level"] == "WARN" && l["requested"] == "Billing");
     let unknown = unknown.unwrap_or_else(|| panic!("no warning about the unknown endpoint:\n{logs}"));
     assert_eq!(unknown["configured"], "billing, shop", "{unknown}");
     assert!(!logs.contains("not-a-stripe-secret"), "the secret is never printed:\n{logs}");
+    drop(proc);
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_and_the_log_names_the_limit_and_its_setting() {
+    let db = TestDb::new().await;
+    let mut cmd = ingest(&db.url(), &format!("billing={SECRET_A}"));
+    cmd.env("INBOX_MAX_BODY", "4KiB").env("INBOX_MAX_BYTES_IN_FLIGHT", "1MiB");
+    let (proc, base) = tokio::task::spawn_blocking(move || start(cmd)).await.unwrap();
+    let body = vec![b' '; 8192];
+    let status = inbox_test_support::app::http_client()
+        .post(format!("{base}/webhooks/stripe/billing"))
+        .header("Stripe-Signature", sign(SECRET_A, &body))
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status.as_u16(), 413);
+    let logs = proc.output();
+    let line = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["outcome"] == "too_large")
+        .unwrap_or_else(|| panic!("no line for the 413:\n{logs}"));
+    assert_eq!(line["level"], "WARN", "{line}");
+    assert_eq!(line["limit_bytes"], 4096, "{line}");
+    assert_eq!(line["setting"], "--max-body / INBOX_MAX_BODY", "{line}");
     drop(proc);
 }

@@ -276,7 +276,10 @@ mod tests {
         let specs = parse_endpoints(&["billing=whsec_a,abc123", "shop=whsec_b"]).unwrap();
         let warnings = secret_warnings(&specs);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert!(warnings[0].contains("\"billing\": its secret #2 does not start with whsec_"), "{warnings:?}");
+        assert!(
+            warnings[0].contains("\"billing\": its secret #2 does not start with whsec_"),
+            "{warnings:?}"
+        );
         assert!(!warnings[0].contains("abc123"));
     }
 

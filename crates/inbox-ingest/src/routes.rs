@@ -79,6 +79,15 @@ pub async fn receive_webhook(
                     refusals_not_logged = left_out,
                     "webhook for an endpoint that is not configured (names are case-sensitive): 404"
                 ),
+                // Stripe retries a refused event for three days, then drops it: a limit too low
+                // for real events loses them. Said at warn, with the limit and its setting.
+                (IngestError::TooLarge, Some(left_out)) => tracing::warn!(
+                    outcome = e.outcome(),
+                    limit_bytes = state.max_body,
+                    setting = "--max-body / INBOX_MAX_BODY",
+                    refusals_not_logged = left_out,
+                    "webhook refused: body larger than --max-body (INBOX_MAX_BODY); raise it if Stripe sends events this large"
+                ),
                 (IngestError::Unavailable(cause), Some(left_out)) => tracing::warn!(
                     outcome = e.outcome(),
                     cause = %cause,
