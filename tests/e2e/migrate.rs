@@ -77,3 +77,44 @@ async fn a_failing_application_migration_names_itself_and_the_servers_reason_and
     let app = column::<i32>(&client, "SELECT version FROM app_schema_history").await;
     assert!(app.is_empty(), "the broken migration is not recorded");
 }
+
+/// Against a database never migrated, or one migration behind, `run` and the operator commands
+/// stop at once with what to do, and the ingest says it at start — instead of failing every claim
+/// and query on a missing table (42P01) over and over.
+#[tokio::test]
+async fn every_binary_names_a_schema_behind_it_and_what_to_run() {
+    let empty = TestDb::empty().await;
+    let behind = TestDb::new().await;
+    behind
+        .client()
+        .await
+        .batch_execute(&format!("DELETE FROM refinery_schema_history WHERE version = {}", expected_version()))
+        .await
+        .unwrap();
+    let expected = expected_version();
+    for (db, says) in [
+        (&empty, format!("no inbox schema (version 0), this binary needs version {expected}")),
+        (&behind, format!("schema is at version {}, this binary needs version {expected}", expected - 1)),
+    ] {
+        for args in [&["run"][..], &["stats"], &["needs-review"]] {
+            let mut cmd = command("inbox-worker");
+            cmd.env("DATABASE_URL", db.url()).args(args);
+            let (code, output) =
+                tokio::task::spawn_blocking(move || run(cmd, Duration::from_secs(20))).await.unwrap();
+            assert_eq!(code, 1, "{args:?}: {output}");
+            assert!(output.contains(&says) && output.contains("inbox-worker migrate"), "{args:?}: {output}");
+            assert!(!output.contains("42P01"), "{args:?}: {output}");
+        }
+    }
+    let mut ingest = command("inbox-ingest");
+    ingest
+        .env("DATABASE_URL", empty.url())
+        .env("INBOX_ENDPOINTS", format!("billing={}", inbox_test_support::events::SECRET_A))
+        .env("INBOX_LISTEN", "127.0.0.1:0");
+    let (ingest, base) =
+        tokio::task::spawn_blocking(move || inbox_test_support::process::start_ingest(ingest)).await.unwrap();
+    let logs = ingest.output();
+    assert!(logs.contains("no inbox schema (version 0)") && logs.contains("\"level\":\"ERROR\""), "{logs}");
+    let ready = reqwest::get(format!("{base}/readyz")).await.unwrap();
+    assert_eq!(ready.status().as_u16(), 503);
+}

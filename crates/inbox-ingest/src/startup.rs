@@ -163,6 +163,24 @@ impl Application {
             },
         )?;
         check_reachable(&pool).await?;
+        // An older schema is not a refusal here: during a deploy the ingest may start before the
+        // migration, and /readyz keeps it out of rotation until then. It is said at once, though.
+        if let Ok(client) = pool.get().await {
+            match inbox_domain::inbox::schema::state(&client).await {
+                Ok(state @ inbox_domain::inbox::schema::SchemaState::Older { .. }) => {
+                    tracing::error!(
+                        "{} (/readyz answers 503 until then)",
+                        state.message().unwrap_or_default()
+                    )
+                }
+                Ok(state) => {
+                    if let Some(message) = state.message() {
+                        tracing::warn!("{message}");
+                    }
+                }
+                Err(e) => tracing::warn!(error = format!("{e:#}"), "reading the schema version"),
+            }
+        }
 
         let port = listener.local_addr().context("reading the listener's address")?.port();
         // Leave a couple of connections for readiness checks and the wake-up NOTIFY.

@@ -152,6 +152,7 @@ where
         },
     )?;
     check_reachable(&pool).await?;
+    check_schema(&pool).await?;
 
     // Say what this worker claims before claiming anything: the rows of the other types are then
     // counted as waiting for a handler (stats, inbox_no_handler), not mistaken for a backlog.
@@ -264,6 +265,31 @@ where
     pool.close();
     tracing::info!("inbox-worker stopped");
     Ok(())
+}
+
+/// Refuses to run on a schema older than this build's (every claim would fail on a missing table
+/// or column, over and over); warns on a newer one.
+pub(crate) async fn check_schema(pool: &deadpool_postgres::Pool) -> anyhow::Result<()> {
+    let client = pool
+        .get()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect to the database: {}", describe_pool_error(&e)))?;
+    match inbox_domain::inbox::schema::state(&client).await {
+        Ok(state @ inbox_domain::inbox::schema::SchemaState::Older { .. }) => {
+            anyhow::bail!("{}", state.message().unwrap_or_default())
+        }
+        Ok(state) => {
+            if let Some(message) = state.message() {
+                tracing::warn!("{message}");
+            }
+            Ok(())
+        }
+        // A role that may not read the version table can still work: said, and on.
+        Err(e) => {
+            tracing::warn!(error = format!("{e:#}"), "could not check the schema version");
+            Ok(())
+        }
+    }
 }
 
 /// This process's id in `inbox_workers`: host, process id and start time (unique across

@@ -189,6 +189,50 @@ pub async fn current_version(client: &tokio_postgres::Client) -> anyhow::Result<
     current_version_in(client, HISTORY_TABLE).await
 }
 
+/// Where the database's schema stands against this build's ([`expected_version`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SchemaState {
+    /// At the version this build expects.
+    Current,
+    /// Older (0: never migrated): this build's statements would fail on missing tables and
+    /// columns. The message says to run `migrate`.
+    Older { found: i32, expected: i32 },
+    /// Newer: migrated by a later build. Its migrations only add, so this build works, but an
+    /// operator should know.
+    Newer { found: i32, expected: i32 },
+}
+
+impl SchemaState {
+    /// What to tell an operator, when anything.
+    pub fn message(self) -> Option<String> {
+        match self {
+            SchemaState::Current => None,
+            SchemaState::Older { found: 0, expected } => Some(format!(
+                "the database has no inbox schema (version 0), this binary needs version {expected}: run \
+                 `inbox-worker migrate` (your own worker binary: its `migrate`) against it first"
+            )),
+            SchemaState::Older { found, expected } => Some(format!(
+                "the schema is at version {found}, this binary needs version {expected}: run \
+                 `inbox-worker migrate` (your own worker binary: its `migrate`) first"
+            )),
+            SchemaState::Newer { found, expected } => Some(format!(
+                "the schema is at version {found}, newer than this binary's {expected}: a later release \
+                 migrated it; this one works on it, but upgrade it to match"
+            )),
+        }
+    }
+}
+
+/// Reads the schema version and compares it with this build's.
+pub async fn state(client: &tokio_postgres::Client) -> anyhow::Result<SchemaState> {
+    let expected = expected_version();
+    Ok(match current_version(client).await?.unwrap_or(0) {
+        found if found < expected => SchemaState::Older { found, expected },
+        found if found > expected => SchemaState::Newer { found, expected },
+        _ => SchemaState::Current,
+    })
+}
+
 /// The highest version recorded in `history_table` (a name [`Migrations`] accepted), or `None`
 /// when the table does not exist yet.
 async fn current_version_in(

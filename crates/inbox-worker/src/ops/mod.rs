@@ -73,6 +73,19 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         );
     }
     let mut conn = connect(database).await?;
+    if !matches!(command, Command::Migrate) {
+        use inbox_domain::inbox::schema::{self, SchemaState};
+        match schema::state(&conn).await {
+            Ok(state @ SchemaState::Older { .. }) => anyhow::bail!("{}", state.message().unwrap_or_default()),
+            Ok(state) => {
+                if let Some(message) = state.message() {
+                    tracing::warn!("{message}");
+                }
+            }
+            // A role that may not read the version table can still do its work: the command goes on.
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "could not check the schema version"),
+        }
+    }
     match command {
         Command::Migrate => migrate::run(&mut conn, registry).await,
         Command::Stats(args) => stats::run(&**conn, &args).await,
