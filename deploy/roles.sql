@@ -12,7 +12,7 @@
 --   inbox_owner     owns the tables; runs `inbox-worker migrate` (and your own worker's migrate)
 --   inbox_ingest    inbox-ingest: inserts verified events, reads the schema version (readiness)
 --   inbox_worker    inbox-worker run: claims and marks inbox rows, writes the invoice tables
---   inbox_operator  stats, needs-review, requeue, replay, purge; audit rows insert-only
+--   inbox_operator  stats, needs-review, requeue, replay, dismiss, purge; audit rows insert-only
 --   inbox_metrics   read-only counts for KEDA and dashboards: no payloads
 --
 -- A team's own worker writes its own tables: grant them to inbox_worker and inbox_operator (replay
@@ -120,7 +120,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON public.inbox_workers TO inbox_worker;
 -- handlers' tables, and the processed mark). Audit rows: insert only, and only the columns an
 -- operator declares; the database fills in db_user and client_addr itself.
 GRANT SELECT, DELETE ON public.webhook_inbox TO inbox_operator;
-GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error, processed_at)
+GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error, processed_at, dismissed_at)
       ON public.webhook_inbox TO inbox_operator;
 GRANT SELECT, INSERT, UPDATE ON public.invoices TO inbox_operator;
 GRANT SELECT, INSERT ON public.ledger_entries, public.reconciliation_items TO inbox_operator;

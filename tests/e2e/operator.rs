@@ -1203,3 +1203,80 @@ async fn batched_requeue_and_purge_run_under_the_operator_role_with_an_insert_on
     let who = column::<String>(&client, "SELECT DISTINCT db_user FROM operator_audit").await;
     assert_eq!(who, ["inbox_operator"]);
 }
+
+// ---------------------------------------------------------------------------------------- dismiss
+
+#[tokio::test]
+async fn dismiss_closes_a_parked_or_held_row_unprocessed_keeps_it_audits_why_and_replay_undoes_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(
+        &client,
+        &[
+            parked("evt_parked", "payload: no amount_paid"),
+            Row { event_id: "evt_ready", ..Row::default() },
+            processed("evt_done", 60.0),
+        ],
+    )
+    .await;
+    // A row the ingest held: a test-mode event on the live endpoint.
+    seed(&client, &[Row { event_id: "evt_held", ..parked("evt_held", "livemode: …") }]).await;
+    client
+        .batch_execute("UPDATE webhook_inbox SET held = 'livemode' WHERE event_id = 'evt_held'")
+        .await
+        .unwrap();
+    let before = snapshot(&client).await;
+
+    // Refusals change nothing: no reason, a row in the queue, a processed row, an unknown id.
+    let (code, output) = exec(&db, &["dismiss", "--event-id", "evt_parked", "--reason", "  "]).await;
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("--reason must say why"), "{output}");
+    let output = refused(&db, &["dismiss", "--event-id", "evt_ready", "--reason", "test"]).await;
+    assert!(output.contains("in the queue, not parked or held"), "{output}");
+    let output = refused(&db, &["dismiss", "--event-id", "evt_done", "--reason", "test"]).await;
+    assert!(output.contains("already processed"), "{output}");
+    let output = refused(&db, &["dismiss", "--event-id", "evt_nope", "--reason", "test"]).await;
+    assert!(output.contains("no event evt_nope"), "{output}");
+    assert_eq!(snapshot(&client).await, before, "refusals change nothing");
+    assert!(audit(&client).await.is_empty());
+
+    // A held and a parked row closed, each with its reason and an audit record.
+    let output = ok(&db, &["dismiss", "--event-id", "evt_held", "--reason", "test event sent to live"]).await;
+    assert!(output.contains("dismissed event evt_held"), "{output}");
+    ok(&db, &["dismiss", "--event-id", "evt_parked", "--reason", "refunded by hand"]).await;
+    let closed = client
+        .query(
+            "SELECT event_id, processed_at IS NOT NULL, dismissed_at IS NOT NULL, last_error
+               FROM webhook_inbox WHERE dismissed_at IS NOT NULL ORDER BY event_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let closed: Vec<(String, bool, bool, String)> =
+        closed.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    assert_eq!(
+        closed,
+        [
+            ("evt_held".into(), true, true, "dismissed by tester: test event sent to live".into()),
+            ("evt_parked".into(), true, true, "dismissed by tester: refunded by hand".into()),
+        ]
+    );
+    assert_eq!(db.count("webhook_inbox").await, 4, "the rows are kept");
+    let review = json_of(&db, &["needs-review"]).await;
+    assert_eq!(review["count"], 0, "nothing left for review: {review}");
+    let records = audit(&client).await;
+    assert_eq!(records.len(), 2);
+    let (actor, action, target, affected) = &records[0];
+    assert_eq!((actor.as_str(), action.as_str(), *affected), ("tester", "dismiss", 1));
+    assert_eq!(target["event_id"], "evt_held");
+    assert_eq!(target["held"], "livemode");
+    assert_eq!(target["reason"], "test event sent to live");
+    // Dismissed twice: refused.
+    let output = refused(&db, &["dismiss", "--event-id", "evt_parked", "--reason", "again"]).await;
+    assert!(output.contains("already processed"), "{output}");
+
+    // The person changes their mind: replay applies it after all, and it is no longer dismissed.
+    ok(&db, &["replay", "--event-id", "evt_held"]).await;
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE dismissed_at IS NOT NULL").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1, "applied once");
+}

@@ -104,6 +104,8 @@ pub enum Command {
     /// Run an already processed event again with this binary's handler (handlers are idempotent:
     /// this repairs, never double-books).
     Replay(ops::replay::Args),
+    /// Close a parked or held row without processing it (kept, with the reason, audited).
+    Dismiss(ops::dismiss::Args),
     /// Delete processed rows older than an age, in batches.
     Purge(ops::purge::Args),
     /// Check a stored event against the signature kept with its raw body (ingest --keep-raw):

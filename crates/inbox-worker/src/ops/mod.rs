@@ -1,15 +1,16 @@
 //! The operator commands, one module each: `migrate`, `stats`, `needs-review`, `requeue`,
-//! `replay`, `purge`, `verify`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
+//! `replay`, `dismiss`, `purge`, `verify`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
 //! the store (`inbox_domain::inbox::store::admin`) and presents the result with [`output`]: a table
 //! on stdout, or one JSON document with `--json`. A refusal is an error saying why (the binary
 //! prints `<name>: error: …` and exits 1).
 //!
-//! Every change an operator makes (requeue, replay, purge) is recorded in `operator_audit`, in
+//! Every change an operator makes (requeue, replay, dismiss, purge) is recorded in `operator_audit`, in
 //! the same transaction as the change, so the audit and the change commit together or not at all:
 //! one record for a change of one event; for a command that works in batches (`requeue --all`,
 //! `purge`) a record when it starts, then one per batch (see `admin::INSERT_AUDIT_SQL`).
 //! `--dry-run` changes nothing and writes no audit.
 
+pub mod dismiss;
 pub mod migrate;
 pub mod needs_review;
 pub mod output;
@@ -92,6 +93,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::NeedsReview(args) => needs_review::run(&**conn, &args).await,
         Command::Requeue(args) => requeue::run(&mut conn, &args).await,
         Command::Replay(args) => replay::run(&mut conn, registry, pooler, &args).await,
+        Command::Dismiss(args) => dismiss::run(&mut conn, &args).await,
         Command::Purge(args) => purge::run(&mut conn, &args).await,
         Command::Verify(args) => verify::run(&**conn, &args).await,
         Command::Run(_) => unreachable!("`run` is not an operator command"),

@@ -85,6 +85,8 @@ pub async fn run(
     queue::mark_processed(&tx, &[row.ctid.as_str()])
         .await
         .map_err(db_error("marking the event processed"))?;
+    // A row a person dismissed is applied after all: it is no longer "closed unapplied".
+    admin::undismiss(&*tx, &event.endpoint, event_id).await.map_err(db_error("clearing the dismissal"))?;
     let target = serde_json::json!({
         "provider": PROVIDER_STRIPE,
         "endpoint": event.endpoint,

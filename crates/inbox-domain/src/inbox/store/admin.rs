@@ -335,7 +335,7 @@ pub async fn parked_rows(
 /// processing the row holds its lock until it commits, so we see the outcome (bounded by the
 /// transaction's lock_timeout); nothing moves the row under us afterwards.
 pub const LOCK_EVENT_SQL: &str = "\
-SELECT endpoint, event_type, attempts, payload, held,
+SELECT endpoint, event_type, attempts, payload, held, parked_at IS NOT NULL AS parked,
        to_char(processed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS processed_at,
        ctid::text
   FROM webhook_inbox
@@ -354,6 +354,8 @@ pub struct EventRow {
     pub payload: Option<Box<serde_json::value::RawValue>>,
     /// Why the ingest parked it on arrival, if it did.
     pub held: Option<String>,
+    /// Parked (by a worker, or held by the ingest).
+    pub parked: bool,
     /// RFC 3339, UTC; None while unprocessed.
     pub processed_at: Option<String>,
     /// Where the locked row is, while the transaction holds the lock.
@@ -377,10 +379,56 @@ pub async fn lock_event(
             attempts: r.get("attempts"),
             payload: r.get::<_, Option<Json<_>>>("payload").map(|p| p.0),
             held: r.get("held"),
+            parked: r.get("parked"),
             processed_at: r.get("processed_at"),
             ctid: r.get("ctid"),
         })
         .collect())
+}
+
+// ---------------------------------------------------------------------------------- dismiss
+
+/// Closes one held or parked row without processing it (`$1` provider, `$2` endpoint, `$3` event
+/// id, `$4` the reason for `last_error`): `processed_at` and `dismissed_at` now, the park and hold
+/// left as they were (what the row went through). Only a row still unprocessed and parked or held:
+/// a row in the queue is the workers'. Returns whether a row was closed.
+pub const DISMISS_SQL: &str = "\
+UPDATE webhook_inbox
+   SET processed_at = now(), dismissed_at = now(), last_error = left($4, 1024)
+ WHERE provider = $1 AND endpoint = $2 AND event_id = $3
+   AND processed_at IS NULL AND (parked_at IS NOT NULL OR held IS NOT NULL)";
+
+/// Runs [`DISMISS_SQL`].
+pub async fn dismiss(
+    tx: &(impl GenericClient + Sync),
+    endpoint: &str,
+    event_id: &str,
+    reason: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&PROVIDER_STRIPE, Type::TEXT),
+        (&endpoint, Type::TEXT),
+        (&event_id, Type::TEXT),
+        (&reason, Type::TEXT),
+    ];
+    Ok(tx.execute_typed(DISMISS_SQL, &params).await? == 1)
+}
+
+/// Clears `dismissed_at` of one row (`$1` provider, `$2` endpoint, `$3` event id): a replay applied
+/// it after all.
+pub const UNDISMISS_SQL: &str = "\
+UPDATE webhook_inbox SET dismissed_at = NULL
+ WHERE provider = $1 AND endpoint = $2 AND event_id = $3 AND dismissed_at IS NOT NULL";
+
+/// Runs [`UNDISMISS_SQL`]; returns whether the row had been dismissed.
+pub async fn undismiss(
+    tx: &(impl GenericClient + Sync),
+    endpoint: &str,
+    event_id: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 3] =
+        [(&PROVIDER_STRIPE, Type::TEXT), (&endpoint, Type::TEXT), (&event_id, Type::TEXT)];
+    Ok(tx.execute_typed(UNDISMISS_SQL, &params).await? == 1)
 }
 
 // ----------------------------------------------------------------------------------- verify

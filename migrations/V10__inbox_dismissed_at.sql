@@ -1,0 +1,12 @@
+-- stripe-inbox schema, version 10: a row closed by a person without processing it.
+--
+-- A parked row, or one the ingest held (an unstorable body, a livemode the endpoint does not
+-- serve), sometimes must never run: a test event sent to the live endpoint, a body nothing can
+-- read. `inbox-worker dismiss --event-id ID --reason TEXT` closes it: processed_at is set so that
+-- no worker claims it and it leaves needs-review (and its alert), dismissed_at says it was closed
+-- unapplied, last_error keeps the reason, and the audit record says who and why. The row stays,
+-- as evidence, until the purge's retention. `replay` of a dismissed row applies it after all and
+-- clears dismissed_at.
+--
+-- A NULL default: a catalogue change, no table rewrite.
+ALTER TABLE webhook_inbox ADD COLUMN dismissed_at timestamptz;
