@@ -1280,3 +1280,84 @@ async fn dismiss_closes_a_parked_or_held_row_unprocessed_keeps_it_audits_why_and
     assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE dismissed_at IS NOT NULL").await, 1);
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1, "applied once");
 }
+
+// ------------------------------------------------------------------------------------ bulk replay
+
+#[tokio::test]
+async fn replay_of_a_type_counts_first_needs_yes_past_100_works_in_audited_batches_and_names_failures() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    // 120 payments processed by a worker that did not book them (a handler since fixed), received
+    // over the last two hours; one of them a payment whose handler fails (no amount_paid).
+    let mut rows = Vec::new();
+    for i in 0..120 {
+        let id: &'static str = Box::leak(format!("evt_pay_{i:03}").into_boxed_str());
+        rows.push(Row {
+            event_id: id,
+            attempts: 1,
+            received_ago: 60.0 * f64::from(i),
+            processed_ago: Some(30.0),
+            ..Row::default()
+        });
+    }
+    rows.push(Row {
+        event_id: "evt_broken",
+        attempts: 1,
+        received_ago: 30.0,
+        processed_ago: Some(20.0),
+        payload: Some(
+            json!({"id": "evt_broken", "type": "invoice.paid", "data": {"object": {"id": "in_broken"}}}),
+        ),
+        ..Row::default()
+    });
+    rows.push(Row {
+        event_id: "evt_created",
+        event_type: "invoice.created",
+        ..processed("evt_created", 10.0)
+    });
+    seed(&client, &rows).await;
+    let before = snapshot(&client).await;
+
+    // The count first; a dry run lists and never needs --yes; more than 100 needs --yes.
+    let dry = json_of(&db, &["replay", "--event-type", "invoice.paid", "--dry-run"]).await;
+    assert_eq!(dry["matched"], 121, "{dry}");
+    assert_eq!(dry["events"][0]["event_id"], "evt_pay_119", "oldest first: {dry}");
+    let output = refused(&db, &["replay", "--event-type", "invoice.paid"]).await;
+    assert!(
+        output.contains("121 processed invoice.paid events match") && output.contains("--yes"),
+        "{output}"
+    );
+    // A span: received in the last 30 minutes (30 payments at 0..29 minutes, and the broken one).
+    let recent =
+        json_of(&db, &["replay", "--event-type", "invoice.paid", "--since", "29m 30s", "--dry-run"]).await;
+    assert_eq!(recent["matched"], 31, "{recent}");
+    assert_eq!(snapshot(&client).await, before, "counting changes nothing");
+    assert!(audit(&client).await.is_empty());
+
+    // The run: batches of 50, each booked and audited; the broken event named, the rest applied.
+    let (code, output) = exec(
+        &db,
+        &["replay", "--event-type", "invoice.paid", "--yes", "--batch-size", "50", "--actor", "alice"],
+    )
+    .await;
+    assert_eq!(code, 1, "a failed event makes the run exit 1: {output}");
+    assert!(output.contains("120 replayed in 3 batches, 1 failed"), "{output}");
+    assert!(output.contains("evt_broken") && output.contains("amount_paid"), "{output}");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 120, "each booked once");
+    let records = audit(&client).await;
+    assert_eq!(records.len(), 4, "a start record and one per batch: {records:?}");
+    assert_eq!(records[0].3, 0);
+    assert_eq!(records[0].2["matched"], 121);
+    let batches: Vec<i32> = records[1..].iter().map(|r| r.3).collect();
+    assert_eq!(batches.iter().sum::<i32>(), 120, "{batches:?}");
+    assert!(records[1..].iter().all(|r| r.0 == "alice" && r.1 == "replay"));
+    assert!(records.iter().any(|r| r.2["failed"] == json!(["evt_broken"])), "{records:?}");
+
+    // Again: idempotent handlers book nothing twice.
+    let (_, output) = exec(&db, &["replay", "--event-type", "invoice.paid", "--yes"]).await;
+    assert!(output.contains("121 processed invoice.paid events matched: 120 replayed"), "{output}");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 120);
+    // A type without a handler in this binary is refused, changing nothing.
+    let output = refused(&db, &["replay", "--event-type", "customer.created", "--dry-run"]).await;
+    assert!(output.contains("no handler for customer.created"), "{output}");
+}

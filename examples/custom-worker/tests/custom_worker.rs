@@ -841,3 +841,47 @@ async fn the_stock_worker_leaves_this_workers_types_for_it_and_nothing_is_lost_o
     let stats = json_of(&db, &["stats"]).await;
     assert_eq!(stats["workers"], json!([]), "{stats}");
 }
+
+/// The way back after a handler was added: events a worker marked done without a handler (told to
+/// ignore them) are run again with this binary's handler by one bulk replay, once each.
+#[tokio::test]
+async fn a_bulk_replay_applies_events_an_earlier_worker_ignored_once_the_handler_exists() {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    let (_ingest, base) = start_ingest_on(&db).await;
+    let mut stock = command("inbox-worker");
+    stock.env("DATABASE_URL", db.url()).args(["run", "--poll-interval", "100ms", "--ignore", "customer.*"]);
+    let stock = tokio::task::spawn_blocking(move || {
+        let proc = Proc::spawn(stock);
+        proc.wait_for_line("inbox-worker running", TIMEOUT);
+        proc
+    })
+    .await
+    .unwrap();
+    for i in 0..5 {
+        let sub = subscription(&format!("sub_1Ignored{i}"), "active", &[OUR_PRICE]);
+        deliver(
+            &base,
+            &client,
+            &stock,
+            &event(&format!("evt_ign_{i}"), "customer.subscription.created", &sub),
+        )
+        .await;
+    }
+    stop_worker(stock).await;
+    assert_eq!(scalar(&client, "SELECT count(*) FROM subscriptions").await, 0, "ignored: no effect");
+
+    let output =
+        ok(&db, &["replay", "--event-type", "customer.subscription.created", "--actor", "alice"]).await;
+    assert!(
+        output.contains("5 processed customer.subscription.created events matched: 5 replayed"),
+        "{output}"
+    );
+    assert_eq!(scalar(&client, "SELECT count(*) FROM subscriptions").await, 5);
+    ok(&db, &["replay", "--event-type", "customer.subscription.created"]).await;
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM subscriptions").await,
+        5,
+        "a second replay changes nothing"
+    );
+}

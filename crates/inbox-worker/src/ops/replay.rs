@@ -1,30 +1,90 @@
-//! `replay`: runs an already processed event again with this binary's handler — the same
-//! registry `run` uses — in one transaction with the row locked, its `processed_at` renewed and
-//! the audit record. Handlers are idempotent (forward-only transitions, unique business keys), so
-//! a replay repairs business rows that went missing and never books twice. A handler error rolls
-//! everything back; an event type this binary has no handler for is refused (nothing to apply,
-//! and most likely the wrong binary), and nothing changes.
+//! `replay`: runs already processed events again with this binary's handler — the same registry
+//! `run` uses. Handlers are idempotent (forward-only transitions, unique business keys), so a
+//! replay repairs business rows that went missing and never books twice; it is also the way back
+//! after a handler was added or fixed: events an earlier worker ignored, or applied wrongly, run
+//! with the handler of now. An event type this binary has no handler for is refused (nothing to
+//! apply, and most likely the wrong binary), and nothing changes.
+//!
+//! `--event-id`: one event, in one transaction with the row locked, its `processed_at` renewed and
+//! the audit record; a handler error rolls everything back.
+//!
+//! `--event-type T [--since D] [--until D]`: every processed event of the type received in that
+//! span, oldest first. The count is printed first; more than [`CONFIRM_ABOVE`] events at once are
+//! refused without `--yes` (`--dry-run` lists them and never needs it). Then batches of
+//! `--batch-size` events, each its own transaction under the operator limits: lock (`SKIP LOCKED`:
+//! a row another session holds is left, and counted), run each handler in a savepoint of its own
+//! (a failure stays with its event, which keeps its processed mark as it was), mark the others
+//! processed, audit, commit. Audit: a record before the first batch (`affected` 0: the type, the
+//! span, the count), then one per batch (`target.run`: the first record's id, and the ids that
+//! failed). The run takes only events processed before it started: one a worker processes
+//! meanwhile already ran with today's handler. SIGTERM/SIGINT stop it between batches. Exit 1
+//! when an event failed (each named with its error) or the run was stopped.
+
+use std::time::SystemTime;
 
 use clap::Args as ClapArgs;
 use inbox_domain::db::Pooler;
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::event::InboxEvent;
-use inbox_domain::inbox::store::{admin, queue, set_limits};
+use inbox_domain::inbox::store::admin::{self, ReplayKey};
+use inbox_domain::inbox::store::{queue, set_limits};
 use inbox_domain::PROVIDER_STRIPE;
 use serde::Serialize;
 
-use super::output::{emit, emit_json, OutputArgs};
-use super::{db_error, lock_one_event, ActorArgs, EventArgs, LIMITS};
+use super::output::{emit, emit_json, plural, OutputArgs};
+use super::purge::StopSignal;
+use super::{db_error, lock_one_event, ActorArgs, LIMITS};
+
+/// `replay --event-type` refuses more events than this at once without `--yes`.
+pub const CONFIRM_ABOVE: usize = 100;
 
 /// Flags of `replay`.
 #[derive(Debug, ClapArgs)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["event_id", "event_type"])))]
 pub struct Args {
-    #[command(flatten)]
-    pub event: EventArgs,
+    /// The event to replay (`evt_…`).
+    #[arg(long)]
+    pub event_id: Option<String>,
+    /// The endpoint of --event-id (needed when the id is stored for several endpoints).
+    #[arg(long, requires = "event_id")]
+    pub endpoint: Option<String>,
+    /// Every processed event of this type (narrow with --since / --until): the way back after a
+    /// handler was added or fixed.
+    #[arg(long, conflicts_with = "event_id")]
+    pub event_type: Option<String>,
+    /// With --event-type: received at or after this time — RFC 3339 (2026-11-30T00:00:00Z) or an
+    /// age (24h, 7d).
+    #[arg(long, requires = "event_type", value_parser = parse_time)]
+    pub since: Option<SystemTime>,
+    /// With --event-type: received before this time (RFC 3339 or an age).
+    #[arg(long, requires = "event_type", value_parser = parse_time)]
+    pub until: Option<SystemTime>,
+    /// With --event-type: count and list what would be replayed, change nothing.
+    #[arg(long, requires = "event_type")]
+    pub dry_run: bool,
+    /// With --event-type: confirm a replay of more than 100 events at once.
+    #[arg(long, requires = "event_type")]
+    pub yes: bool,
+    /// With --event-type: events replayed per transaction.
+    #[arg(long, requires = "event_type", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub batch_size: u32,
     #[command(flatten)]
     pub actor: ActorArgs,
     #[command(flatten)]
     pub output: OutputArgs,
+}
+
+/// An RFC 3339 time (`2026-11-30T00:00:00Z`, or without the zone: UTC) or an age before now
+/// (`24h`, `7d`).
+fn parse_time(text: &str) -> Result<SystemTime, String> {
+    let text = text.trim();
+    if let Ok(at) = humantime::parse_rfc3339_weak(text) {
+        return Ok(at);
+    }
+    let ago = humantime::parse_duration(text)
+        .map_err(|_| "expected an RFC 3339 time (2026-11-30T00:00:00Z) or an age (24h, 7d)".to_owned())?;
+    SystemTime::now().checked_sub(ago).ok_or_else(|| "that age reaches before 1970".to_owned())
 }
 
 /// `replay`.
@@ -34,10 +94,24 @@ pub async fn run(
     pooler: Pooler,
     args: &Args,
 ) -> anyhow::Result<()> {
+    match (&args.event_id, &args.event_type) {
+        (Some(event_id), None) => replay_one(client, registry, pooler, args, event_id).await,
+        (None, Some(event_type)) => replay_type(client, registry, pooler, args, event_type).await,
+        _ => anyhow::bail!("pass either --event-id or --event-type"),
+    }
+}
+
+/// `replay --event-id`.
+async fn replay_one(
+    client: &mut deadpool_postgres::Object,
+    registry: &Registry,
+    pooler: Pooler,
+    args: &Args,
+    event_id: &str,
+) -> anyhow::Result<()> {
     let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
     set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
-    let event_id = args.event.event_id.as_str();
-    let row = lock_one_event(&*tx, event_id, args.event.endpoint.as_deref()).await?;
+    let row = lock_one_event(&*tx, event_id, args.endpoint.as_deref()).await?;
     if row.processed_at.is_none() {
         anyhow::bail!(
             "event {event_id} (endpoint {}) is not processed yet; requeue it instead \
@@ -119,4 +193,211 @@ pub async fn run(
         "replayed event {event_id} (endpoint {}, {}): handler applied; audit record {audit_id}\n",
         event.endpoint, event.event_type
     ))
+}
+
+/// What `replay --event-type --json` prints.
+#[derive(Serialize)]
+struct TypeReport<'a> {
+    action: &'static str,
+    event_type: &'a str,
+    dry_run: bool,
+    /// Events matched when the run started.
+    matched: usize,
+    replayed: u64,
+    /// Events whose handler failed: left as they were.
+    failed: Vec<Failed>,
+    /// Events another session held, or processed since the count: left.
+    skipped: u64,
+    batches: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    audit_id: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    interrupted_by: Option<&'static str>,
+    /// `--dry-run`: the events, oldest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    events: Option<&'a [ReplayKey]>,
+}
+
+/// An event whose handler failed in a bulk replay.
+#[derive(Debug, Clone, Serialize)]
+struct Failed {
+    endpoint: String,
+    event_id: String,
+    error: String,
+}
+
+/// `replay --event-type`: count, confirm, then batches.
+async fn replay_type(
+    client: &mut deadpool_postgres::Object,
+    registry: &Registry,
+    pooler: Pooler,
+    args: &Args,
+    event_type: &str,
+) -> anyhow::Result<()> {
+    let Some(handler) = registry.get(event_type) else {
+        anyhow::bail!(
+            "this binary has no handler for {event_type} (it handles: {}): nothing to replay, nothing changed",
+            registry.event_types().join(", ")
+        );
+    };
+    if let (Some(since), Some(until)) = (args.since, args.until) {
+        anyhow::ensure!(since < until, "--since must be before --until");
+    }
+    let (keys, as_of) = admin::replay_keys(&***client, event_type, args.since, args.until)
+        .await
+        .map_err(db_error("finding the events to replay"))?;
+    let mut report = TypeReport {
+        action: "replay",
+        event_type,
+        dry_run: args.dry_run,
+        matched: keys.len(),
+        replayed: 0,
+        failed: Vec::new(),
+        skipped: 0,
+        batches: 0,
+        audit_id: None,
+        interrupted_by: None,
+        events: None,
+    };
+    if args.dry_run || keys.is_empty() {
+        report.events = Some(&keys);
+        return print_type_report(&report, args.output.json);
+    }
+    if keys.len() > CONFIRM_ABOVE && !args.yes {
+        anyhow::bail!(
+            "{} processed {event_type} events match: more than {CONFIRM_ABOVE} at once needs --yes (see them \
+             with --dry-run); nothing changed",
+            keys.len()
+        );
+    }
+    let as_of = as_of.expect("keys were read");
+    let stop = StopSignal::install();
+    let span = |t: Option<SystemTime>| t.map(|t| humantime::format_rfc3339_millis(t).to_string());
+    let target = serde_json::json!({
+        "provider": PROVIDER_STRIPE,
+        "event_type": event_type,
+        "since": span(args.since),
+        "until": span(args.until),
+        "matched": keys.len(),
+        "batch_size": args.batch_size,
+    });
+    let run = admin::insert_audit(&***client, &args.actor.actor, "replay", &target, 0)
+        .await
+        .map_err(db_error("writing the audit record"))?;
+    report.audit_id = Some(run);
+    for batch in keys.chunks(args.batch_size as usize) {
+        if let Some(signal) = stop.received() {
+            report.interrupted_by = Some(signal);
+            break;
+        }
+        report.batches += 1;
+        let mut tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
+        set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
+        let rows = admin::lock_replay_batch(&*tx, batch, as_of).await.map_err(db_error("locking a batch"))?;
+        report.skipped += (batch.len() - rows.len()) as u64;
+        let mut done: Vec<&str> = Vec::with_capacity(rows.len());
+        let mut failed_here = Vec::new();
+        for row in &rows {
+            let event = InboxEvent::new(
+                PROVIDER_STRIPE.to_owned(),
+                row.endpoint.clone(),
+                row.event_id.clone(),
+                row.event_type.clone(),
+                row.payload.clone(),
+            );
+            let savepoint = tx.savepoint("event").await.map_err(db_error("starting a savepoint"))?;
+            let applied = handler.handle(&savepoint, &event).await;
+            if pooler == Pooler::Transaction {
+                savepoint.statement_cache.clear();
+            }
+            match applied {
+                Ok(()) => {
+                    savepoint.commit().await.map_err(db_error("releasing a savepoint"))?;
+                    done.push(&row.ctid);
+                }
+                Err(e) => {
+                    savepoint.rollback().await.map_err(db_error("rolling back a savepoint"))?;
+                    failed_here.push(Failed {
+                        endpoint: row.endpoint.clone(),
+                        event_id: row.event_id.clone(),
+                        error: e.to_string(),
+                    });
+                }
+            }
+        }
+        if !done.is_empty() {
+            queue::mark_processed(&tx, &done).await.map_err(db_error("marking the events processed"))?;
+        }
+        let target = serde_json::json!({
+            "provider": PROVIDER_STRIPE,
+            "event_type": event_type,
+            "run": run,
+            "batch": report.batches,
+            "failed": failed_here.iter().map(|f| &f.event_id).collect::<Vec<_>>(),
+        });
+        admin::insert_audit(&*tx, &args.actor.actor, "replay", &target, done.len() as u64)
+            .await
+            .map_err(db_error("writing the batch's audit record"))?;
+        tx.commit().await.map_err(db_error("committing a batch"))?;
+        report.replayed += done.len() as u64;
+        report.failed.extend(failed_here);
+    }
+    print_type_report(&report, args.output.json)?;
+    if let Some(signal) = report.interrupted_by {
+        anyhow::bail!(
+            "stopped by {signal} after {} batch{}: {} replayed, the rest not",
+            report.batches,
+            if report.batches == 1 { "" } else { "es" },
+            report.replayed
+        );
+    }
+    if let Some(first) = report.failed.first() {
+        anyhow::bail!(
+            "{} event{} failed and kept their processed mark as it was (the first: {} of endpoint {}: {})",
+            report.failed.len(),
+            plural(report.failed.len()),
+            first.event_id,
+            first.endpoint,
+            first.error
+        );
+    }
+    Ok(())
+}
+
+fn print_type_report(report: &TypeReport<'_>, json: bool) -> anyhow::Result<()> {
+    if json {
+        return emit_json(report);
+    }
+    let mut text = if report.dry_run {
+        format!(
+            "{} processed {} event{} would be replayed (dry run, nothing changed)\n",
+            report.matched,
+            report.event_type,
+            plural(report.matched)
+        )
+    } else {
+        format!(
+            "{} processed {} event{} matched: {} replayed in {} batch{}, {} failed, {} skipped (held by another \
+             session or processed since){}\n",
+            report.matched,
+            report.event_type,
+            plural(report.matched),
+            report.replayed,
+            report.batches,
+            if report.batches == 1 { "" } else { "es" },
+            report.failed.len(),
+            report.skipped,
+            report.audit_id.map(|id| format!("; audit run {id}")).unwrap_or_default()
+        )
+    };
+    for key in report.events.unwrap_or_default().iter().take(20) {
+        text.push_str(&format!("  {} {}\n", key.endpoint, key.event_id));
+    }
+    if report.events.is_some_and(|e| e.len() > 20) {
+        text.push_str(&format!("  … and {} more\n", report.matched - 20));
+    }
+    for f in &report.failed {
+        text.push_str(&format!("  failed: {} {}: {}\n", f.endpoint, f.event_id, f.error));
+    }
+    emit(&text)
 }

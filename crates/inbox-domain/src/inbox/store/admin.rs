@@ -386,6 +386,103 @@ pub async fn lock_event(
         .collect())
 }
 
+// ----------------------------------------------------------------------------- bulk replay
+
+/// The processed events `replay --event-type` runs again (`$1` provider, `$2` event type, `$3`/`$4`
+/// received from / before, each NULL for no bound): their keys, oldest first, and the time of the
+/// reading (`as_of`). Rows a person dismissed and rows without a payload (kept as raw bytes) are
+/// not among them. One read of the table (there is no index on `event_type` for processed rows);
+/// the keys are what the run then works through, in batches.
+pub const REPLAY_KEYS_SQL: &str = "\
+SELECT endpoint, event_id, now() AS as_of
+  FROM webhook_inbox
+ WHERE provider = $1 AND event_type = $2
+   AND processed_at IS NOT NULL AND dismissed_at IS NULL AND payload IS NOT NULL
+   AND ($3::timestamptz IS NULL OR received_at >= $3)
+   AND ($4::timestamptz IS NULL OR received_at < $4)
+ ORDER BY received_at, endpoint, event_id";
+
+/// One event `replay --event-type` would run again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReplayKey {
+    pub endpoint: String,
+    pub event_id: String,
+}
+
+/// Runs [`REPLAY_KEYS_SQL`]; returns the keys and the time of the reading (None when none matched).
+pub async fn replay_keys(
+    client: &(impl GenericClient + Sync),
+    event_type: &str,
+    since: Option<SystemTime>,
+    until: Option<SystemTime>,
+) -> Result<(Vec<ReplayKey>, Option<SystemTime>), tokio_postgres::Error> {
+    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&PROVIDER_STRIPE, Type::TEXT),
+        (&event_type, Type::TEXT),
+        (&since, Type::TIMESTAMPTZ),
+        (&until, Type::TIMESTAMPTZ),
+    ];
+    let rows = client.query_typed(REPLAY_KEYS_SQL, &params).await?;
+    let as_of = rows.first().map(|r| r.get("as_of"));
+    Ok((
+        rows.iter().map(|r| ReplayKey { endpoint: r.get("endpoint"), event_id: r.get("event_id") }).collect(),
+        as_of,
+    ))
+}
+
+/// Locks one batch of [`REPLAY_KEYS_SQL`]'s events (`$1` provider, `$2`/`$3` endpoints and event
+/// ids), still processed no later than `$4` (the run's `as_of`: a row processed since, by a worker
+/// or another replay, already ran with the handler of now) and not dismissed meanwhile. SKIP
+/// LOCKED: a row another session holds is left, and counted as skipped. Returns what
+/// `replay` needs of each, `ctid` for [`super::queue::mark_processed`].
+pub const LOCK_REPLAY_BATCH_SQL: &str = "\
+SELECT w.endpoint, w.event_id, w.event_type, w.payload, w.ctid::text
+  FROM webhook_inbox AS w
+  JOIN unnest($2::text[], $3::text[]) AS k(endpoint, event_id)
+       ON (w.endpoint, w.event_id) = (k.endpoint, k.event_id)
+ WHERE w.provider = $1 AND w.processed_at IS NOT NULL AND w.processed_at <= $4
+   AND w.dismissed_at IS NULL AND w.payload IS NOT NULL
+ ORDER BY w.endpoint, w.event_id
+   FOR UPDATE OF w SKIP LOCKED";
+
+/// A row of [`LOCK_REPLAY_BATCH_SQL`].
+#[derive(Debug)]
+pub struct ReplayRow {
+    pub endpoint: String,
+    pub event_id: String,
+    pub event_type: String,
+    pub payload: Box<serde_json::value::RawValue>,
+    pub ctid: String,
+}
+
+/// Runs [`LOCK_REPLAY_BATCH_SQL`] for `keys`.
+pub async fn lock_replay_batch(
+    tx: &(impl GenericClient + Sync),
+    keys: &[ReplayKey],
+    as_of: SystemTime,
+) -> Result<Vec<ReplayRow>, tokio_postgres::Error> {
+    let endpoints: Vec<&str> = keys.iter().map(|k| k.endpoint.as_str()).collect();
+    let ids: Vec<&str> = keys.iter().map(|k| k.event_id.as_str()).collect();
+    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&PROVIDER_STRIPE, Type::TEXT),
+        (&endpoints, Type::TEXT_ARRAY),
+        (&ids, Type::TEXT_ARRAY),
+        (&as_of, Type::TIMESTAMPTZ),
+    ];
+    Ok(tx
+        .query_typed(LOCK_REPLAY_BATCH_SQL, &params)
+        .await?
+        .iter()
+        .map(|r| ReplayRow {
+            endpoint: r.get("endpoint"),
+            event_id: r.get("event_id"),
+            event_type: r.get("event_type"),
+            payload: r.get::<_, Json<_>>("payload").0,
+            ctid: r.get("ctid"),
+        })
+        .collect())
+}
+
 // ---------------------------------------------------------------------------------- dismiss
 
 /// Closes one held or parked row without processing it (`$1` provider, `$2` endpoint, `$3` event
