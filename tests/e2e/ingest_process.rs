@@ -212,6 +212,13 @@ async fn a_body_over_the_limit_is_413_and_the_log_names_the_limit_and_its_settin
         .unwrap()
         .status();
     assert_eq!(status.as_u16(), 413);
+    let logs = tokio::task::spawn_blocking(move || {
+        proc.wait_for_line("too_large", Duration::from_secs(10));
+        proc
+    })
+    .await
+    .unwrap();
+    let proc = logs;
     let logs = proc.output();
     let line = logs
         .lines()

@@ -190,7 +190,25 @@ async fn processing_commits_the_effect_and_processed_at_together() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(outbox, serde_json::json!({ "invoice_id": "in_1", "amount": 4200 }));
+    assert_eq!(outbox, serde_json::json!({ "invoice_id": "in_1", "amount": 4200, "currency": "jpy" }));
+    // What Stripe says, not the processing time: the event's status_transitions.paid_at.
+    let (paid_at, currency): (i64, String) = {
+        let row = client
+            .query_one(
+                "SELECT extract(epoch FROM paid_at)::int8, currency FROM invoices WHERE id = 'in_1'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!((paid_at, currency.as_str()), (1_790_000_100, "jpy"));
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM ledger_entries WHERE invoice_id = 'in_1' AND currency = 'jpy'")
+            .await,
+        1,
+        "the booking says what money it is"
+    );
 }
 
 /// The same event twice → processed once, one booking.
@@ -1073,4 +1091,59 @@ async fn a_typed_claim_reads_the_rows_of_its_types_not_the_unhandled_rows_queued
     assert!(plan.contains("webhook_inbox_queue_by_type"), "{plan}");
     eprintln!("typed claim: {buffers} buffers for 32 rows behind 20k of another type");
     assert!(buffers > 0 && buffers < 600, "the claim read {buffers} buffers:\n{plan}");
+}
+
+/// `invoice.created` records what it carries: the status (here `open`), the currency, the amount
+/// due and the total.
+#[tokio::test]
+async fn invoice_created_records_its_status_currency_and_amounts() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    let mut created: serde_json::Value =
+        serde_json::from_slice(&invoice_event("evt_c", "invoice.created", "in_c", "open", 0)).unwrap();
+    created["data"]["object"]["amount_due"] = serde_json::json!(1500);
+    created["data"]["object"]["total"] = serde_json::json!(1650);
+    store_event(&client, "billing", &serde_json::to_vec(&created).unwrap()).await;
+    assert_eq!(drain(&pool, &invoices()).await, [Outcome::Processed]);
+    let row = client
+        .query_one(
+            "SELECT status, currency, amount_due, total, amount_paid FROM invoices WHERE id = 'in_c'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let got: (String, String, i64, i64, i64) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+    assert_eq!(got, ("open".into(), "jpy".into(), 1500, 1650, 0));
+}
+
+/// Migration V11 fills what it can for the rows booked before it: the currency of invoices and
+/// their ledger entries, and Stripe's paid_at, from the invoice events still in the inbox.
+#[tokio::test]
+async fn the_currency_and_paid_at_migration_fills_existing_rows_from_the_events_in_the_inbox() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let pool = pool(&db, 2);
+    store_event(&client, "billing", &invoice_paid("evt_old", "in_old", 700)).await;
+    drain(&pool, &invoices()).await;
+    // The state before V11: no currency columns, paid_at the processing time.
+    client
+        .batch_execute(
+            "ALTER TABLE invoices DROP COLUMN currency, DROP COLUMN amount_due, DROP COLUMN total;
+             ALTER TABLE ledger_entries DROP COLUMN currency;
+             UPDATE invoices SET paid_at = now();",
+        )
+        .await
+        .unwrap();
+    client
+        .batch_execute(include_str!("../../migrations/V11__invoice_currency_and_stripe_times.sql"))
+        .await
+        .unwrap();
+    let row = client
+        .query_one("SELECT currency, extract(epoch FROM paid_at)::int8, amount_due FROM invoices WHERE id = 'in_old'", &[])
+        .await
+        .unwrap();
+    let got: (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(got, ("jpy".into(), 1_790_000_100, 700));
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries WHERE currency = 'jpy'").await, 1);
 }
