@@ -230,3 +230,27 @@ async fn a_body_over_the_limit_is_413_and_the_log_names_the_limit_and_its_settin
     assert_eq!(line["setting"], "--max-body / INBOX_MAX_BODY", "{line}");
     drop(proc);
 }
+
+/// `make run` (scripts/run.sh) with its listen port taken: it stops with an error naming the
+/// component and INBOX_LISTEN, instead of printing "running" over a dead ingest.
+#[tokio::test]
+async fn make_run_stops_naming_the_component_when_the_listen_port_is_taken() {
+    let db = TestDb::new().await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let bin_dir = inbox_test_support::process::bin_path("inbox-ingest").parent().unwrap().to_owned();
+    let mut cmd = std::process::Command::new("bash");
+    cmd.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/run.sh"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("DATABASE_URL", db.url())
+        .env("INBOX_BIN_DIR", bin_dir)
+        .env("INBOX_LISTEN", format!("127.0.0.1:{port}"))
+        .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"));
+    let (code, output) =
+        tokio::task::spawn_blocking(move || run(cmd, Duration::from_secs(60))).await.unwrap();
+    drop(taken);
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("inbox-ingest stopped at start") && output.contains("INBOX_LISTEN"), "{output}");
+    assert!(!output.contains("stripe-inbox is running"), "{output}");
+}

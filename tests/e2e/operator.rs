@@ -322,9 +322,16 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
     );
 
     // Parked is the row's state, not the reader's limit: an operator's --max-attempts changes nothing.
-    let mut low = json_of(&db, &["--max-attempts", "2", "stats"]).await;
+    // The limit is `run`'s alone: the operator commands take no such flag, and its variable does
+    // not change what they see.
+    let (code, output) = exec(&db, &["stats", "--max-attempts", "2"]).await;
+    assert_eq!(code, 2, "a usage error: {output}");
+    let mut cmd = worker(&db, &["stats", "--json"]);
+    cmd.env("INBOX_MAX_ATTEMPTS", "2");
+    let out = tokio::task::spawn_blocking(move || cmd.output()).await.unwrap().unwrap();
+    let mut low: Value = serde_json::from_slice(&out.stdout).unwrap();
     low["oldest_unprocessed_age_seconds"] = stats["oldest_unprocessed_age_seconds"].clone();
-    assert_eq!(low, stats, "stats with --max-attempts 2");
+    assert_eq!(low, stats, "stats with INBOX_MAX_ATTEMPTS=2");
 
     let table = ok(&db, &["stats"]).await;
     for needle in ["unprocessed", "ready", "leased", "retry_wait", "needs_review", "oldest_unprocessed_age"] {
@@ -1360,4 +1367,22 @@ async fn replay_of_a_type_counts_first_needs_yes_past_100_works_in_audited_batch
     // A type without a handler in this binary is refused, changing nothing.
     let output = refused(&db, &["replay", "--event-type", "customer.created", "--dry-run"]).await;
     assert!(output.contains("no handler for customer.created"), "{output}");
+}
+
+#[tokio::test]
+async fn without_actor_or_user_the_audit_records_the_os_user_and_says_so() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(&client, &[parked("evt_p", "boom")]).await;
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).args(["requeue", "--event-id", "evt_p"]);
+    let (code, output) = tokio::task::spawn_blocking(move || run(cmd, TIMEOUT)).await.unwrap();
+    assert_eq!(code, 0, "{output}");
+    let records = audit(&client).await;
+    let os_user = records[0].0.clone();
+    assert!(!os_user.is_empty() && os_user != "unknown", "{records:?}");
+    assert!(
+        output.contains(&format!("operator_audit records the operating system's user, {os_user}")),
+        "{output}"
+    );
 }

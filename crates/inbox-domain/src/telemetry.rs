@@ -38,7 +38,12 @@ impl std::str::FromStr for LogFormat {
 /// Installs the `tracing` subscriber: `RUST_LOG` filters (default `info`), logs go to stderr.
 pub fn init_tracing(format: Option<LogFormat>) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour codes only for a person at a terminal: text logs sent to a file or a collector stay
+    // plain.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     // try_init: a second call (tests building several apps in one process) keeps the first.
     let _ = match format.unwrap_or_else(LogFormat::detect) {
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),

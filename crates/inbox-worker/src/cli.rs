@@ -60,12 +60,6 @@ pub struct GlobalArgs {
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
 
-    /// (run) Attempts after which a worker parks a row for review: never claimed again until
-    /// requeued. Other commands see parked rows as the workers left them, whatever this says.
-    #[arg(long, global = true, env = "INBOX_MAX_ATTEMPTS", default_value_t = 10,
-          value_parser = clap::value_parser!(i32).range(1..=1000))]
-    pub max_attempts: i32,
-
     /// What is between this process and PostgreSQL: `none` (the server, or a session-mode pool)
     /// or `transaction` (a transaction-mode pool such as PgBouncer's: workers then poll instead of
     /// LISTENing, and `migrate` is refused: it needs a session).
@@ -132,6 +126,12 @@ pub struct RunArgs {
     #[arg(long, env = "INBOX_WORKER_MAX_BYTES_IN_FLIGHT", default_value = "32MiB",
           value_parser = parse_byte_size)]
     pub max_bytes_in_flight: u64,
+
+    /// Attempts after which a worker parks a row for review: never claimed again until requeued.
+    /// (The operator commands see parked rows as the workers left them: they take no limit.)
+    #[arg(long, env = "INBOX_MAX_ATTEMPTS", default_value_t = 10,
+          value_parser = clap::value_parser!(i32).range(1..=1000))]
+    pub max_attempts: i32,
 
     /// How long a claimed row stays invisible to other workers.
     #[arg(long, env = "INBOX_LEASE", default_value = "2m", value_parser = parse_duration)]

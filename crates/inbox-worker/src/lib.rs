@@ -119,14 +119,13 @@ async fn dispatch(cli: cli::Cli, mut registry: Registry, program: &str) -> anyho
         .ok_or_else(|| anyhow::anyhow!("no database: set DATABASE_URL or pass --database-url"))?;
     let mut database = inbox_domain::db::parse_database_url(url)?;
     database.pooler = cli.global.db_pooler;
-    let max_attempts = cli.global.max_attempts;
     match cli.command {
         cli::Command::Run(args) => {
             for pattern in args.ignore.iter().filter(|p| !p.trim().is_empty()) {
                 let pattern = pattern.parse().map_err(|e| anyhow::anyhow!("--ignore / INBOX_IGNORE: {e}"))?;
                 registry.ignore_pattern(pattern);
             }
-            let mut settings = runner::Settings::from_args(database, max_attempts, &args)?;
+            let mut settings = runner::Settings::from_args(database, args.max_attempts, &args)?;
             settings.program = program.to_owned();
             runner::run(settings, registry, runner::os_signals()).await
         }

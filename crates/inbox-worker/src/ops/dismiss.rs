@@ -61,7 +61,7 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
             row.endpoint
         );
     }
-    let who = &args.actor.actor;
+    let who = args.actor.name();
     let last_error = format!("dismissed by {who}: {reason}");
     let closed = admin::dismiss(&*tx, &row.endpoint, event_id, &last_error)
         .await

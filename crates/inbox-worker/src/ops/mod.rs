@@ -57,9 +57,49 @@ pub struct EventArgs {
 /// Who is acting, for `operator_audit`.
 #[derive(Debug, Args, Clone)]
 pub struct ActorArgs {
-    /// Recorded in operator_audit [default: $USER].
-    #[arg(long, env = "USER", hide_env_values = false, default_value = "unknown")]
-    pub actor: String,
+    /// Recorded in operator_audit [default: $USER, else the operating system's name of the user
+    /// running the command].
+    #[arg(long, env = "USER", hide_env_values = false)]
+    pub actor: Option<String>,
+}
+
+impl ActorArgs {
+    /// The actor recorded (filled by [`execute`] before any command runs).
+    pub fn name(&self) -> &str {
+        self.actor.as_deref().unwrap_or("unknown")
+    }
+
+    /// Without --actor or $USER (a container, cron): the operating system's name of the user
+    /// running the command, said on stderr so that nobody takes it for a person's name.
+    fn fill(&mut self) {
+        if self.actor.as_deref().is_some_and(|a| !a.trim().is_empty()) {
+            return;
+        }
+        let name = os_user_name();
+        eprintln!(
+            "note: no --actor and no $USER: operator_audit records the operating system's user, {name}; \
+             pass --actor NAME to record who you are"
+        );
+        self.actor = Some(name);
+    }
+}
+
+/// The name of the user this process runs as, from `/etc/passwd` by the uid of `/proc/self`
+/// (`uid:N` when it has no entry, as in many containers).
+fn os_user_name() -> String {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(uid) = std::fs::metadata("/proc/self").map(|m| m.uid()) else { return "unknown".to_owned() };
+    std::fs::read_to_string("/etc/passwd")
+        .ok()
+        .and_then(|passwd| {
+            passwd.lines().find_map(|line| {
+                let mut fields = line.split(':');
+                let name = fields.next()?;
+                let entry_uid: u32 = fields.nth(1)?.parse().ok()?;
+                (entry_uid == uid).then(|| name.to_owned())
+            })
+        })
+        .unwrap_or_else(|| format!("uid:{uid}"))
 }
 
 /// Runs an operator command over one connection. `registry` is the binary's: `replay` runs its
@@ -72,6 +112,14 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
              transaction pooler does not keep: run it against the server or a session-mode pool, \
              with INBOX_DB_POOLER=none"
         );
+    }
+    let mut command = command;
+    match &mut command {
+        Command::Requeue(args) => args.actor.fill(),
+        Command::Replay(args) => args.actor.fill(),
+        Command::Dismiss(args) => args.actor.fill(),
+        Command::Purge(args) => args.actor.fill(),
+        _ => {}
     }
     let mut conn = connect(database).await?;
     if !matches!(command, Command::Migrate) {

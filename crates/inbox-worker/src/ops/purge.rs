@@ -159,7 +159,7 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
         "batch_size": args.batch_size,
         "force": args.force,
     });
-    let run_id = admin::insert_audit(&***client, &args.actor.actor, "purge", &target, 0)
+    let run_id = admin::insert_audit(&***client, args.actor.name(), "purge", &target, 0)
         .await
         .map_err(db_error("writing the audit record"))?;
 
@@ -208,7 +208,7 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
     if let (Some(error), Some(end)) = (&error, end.as_object_mut()) {
         end.insert("error".to_owned(), serde_json::Value::String(error.clone()));
     }
-    let end_written = admin::insert_audit(&***client, &args.actor.actor, "purge", &end, 0).await;
+    let end_written = admin::insert_audit(&***client, args.actor.name(), "purge", &end, 0).await;
 
     let batch_word = if batches == 1 { "batch" } else { "batches" };
     let summary = format!(
@@ -273,7 +273,7 @@ async fn purge_one_batch(
     let done = admin::purge_batch(&*tx, cutoff, from, to_page, args.batch_size).await?;
     if done.deleted > 0 {
         let target = serde_json::json!({"provider": PROVIDER_STRIPE, "run": run_id, "batch": batch});
-        admin::insert_audit(&*tx, &args.actor.actor, "purge", &target, done.deleted).await?;
+        admin::insert_audit(&*tx, args.actor.name(), "purge", &target, done.deleted).await?;
     }
     tx.commit().await?;
     Ok(done)

@@ -167,7 +167,7 @@ async fn replay_one(
         "event_id": event_id,
         "event_type": event.event_type,
     });
-    let audit_id = admin::insert_audit(&*tx, &args.actor.actor, "replay", &target, 1)
+    let audit_id = admin::insert_audit(&*tx, args.actor.name(), "replay", &target, 1)
         .await
         .map_err(db_error("writing the audit record"))?;
     tx.commit().await.map_err(db_error("committing the replay"))?;
@@ -281,7 +281,7 @@ async fn replay_type(
         "matched": keys.len(),
         "batch_size": args.batch_size,
     });
-    let run = admin::insert_audit(&***client, &args.actor.actor, "replay", &target, 0)
+    let run = admin::insert_audit(&***client, args.actor.name(), "replay", &target, 0)
         .await
         .map_err(db_error("writing the audit record"))?;
     report.audit_id = Some(run);
@@ -335,7 +335,7 @@ async fn replay_type(
             "batch": report.batches,
             "failed": failed_here.iter().map(|f| &f.event_id).collect::<Vec<_>>(),
         });
-        admin::insert_audit(&*tx, &args.actor.actor, "replay", &target, done.len() as u64)
+        admin::insert_audit(&*tx, args.actor.name(), "replay", &target, done.len() as u64)
             .await
             .map_err(db_error("writing the batch's audit record"))?;
         tx.commit().await.map_err(db_error("committing a batch"))?;

@@ -156,7 +156,7 @@ async fn requeue_one(
         None
     } else {
         report.requeued = admin::requeue(&*tx, &rows).await.map_err(db_error("requeuing the rows"))?;
-        let id = admin::insert_audit(&*tx, &args.actor.actor, "requeue", &target, report.requeued)
+        let id = admin::insert_audit(&*tx, args.actor.name(), "requeue", &target, report.requeued)
             .await
             .map_err(db_error("writing the audit record"))?;
         tx.commit().await.map_err(db_error("committing the requeue"))?;
@@ -255,7 +255,7 @@ async fn requeue_all(client: &mut deadpool_postgres::Object, args: &Args) -> any
         "limit": args.limit,
         "batch_size": args.batch_size,
     });
-    let run_id = admin::insert_audit(&***client, &args.actor.actor, "requeue", &target, 0)
+    let run_id = admin::insert_audit(&***client, args.actor.name(), "requeue", &target, 0)
         .await
         .map_err(db_error("writing the audit record"))?;
 
@@ -282,7 +282,7 @@ async fn requeue_all(client: &mut deadpool_postgres::Object, args: &Args) -> any
             let changed = admin::requeue(&*tx, &batch).await?;
             let target =
                 serde_json::json!({"provider": PROVIDER_STRIPE, "run": run_id, "batch": batches + 1});
-            admin::insert_audit(&*tx, &args.actor.actor, "requeue", &target, changed).await?;
+            admin::insert_audit(&*tx, args.actor.name(), "requeue", &target, changed).await?;
             tx.commit().await?;
             Ok::<_, tokio_postgres::Error>((batch, next, changed))
         }
