@@ -117,3 +117,71 @@ async fn a_statement_timeout_is_503_and_stores_nothing() {
     assert_eq!(reply.status, 200, "{}", reply.text);
     assert_eq!(reply.body["status"], "accepted");
 }
+
+/// An outage is one line when it starts — naming where the database is and the cause — and one
+/// when it ends, however many requests failed in between; and a command that cannot connect says
+/// where it tried.
+#[tokio::test]
+async fn an_outage_is_one_line_naming_the_database_then_one_reconnected_line() {
+    use inbox_test_support::events::{sign, SECRET_A};
+    let proxy = FaultProxy::start(postgres_addr()).await;
+    let db = TestDb::new().await;
+    let via = format!("postgres://postgres@127.0.0.1:{}/{}", proxy.port, db.name);
+    let mut cmd = inbox_test_support::process::command("inbox-ingest");
+    cmd.env("DATABASE_URL", &via)
+        .env("INBOX_ENDPOINTS", format!("billing={SECRET_A}"))
+        .env("INBOX_LISTEN", "127.0.0.1:0")
+        .env("INBOX_DB_TIMEOUT", "1s");
+    let (ingest, base) =
+        tokio::task::spawn_blocking(move || inbox_test_support::process::start_ingest(cmd)).await.unwrap();
+    let post = |i: usize| {
+        let base = base.clone();
+        async move {
+            let body = invoice_paid(&format!("evt_outage_{i}"), "in_1", 1);
+            inbox_test_support::app::http_client()
+                .post(format!("{base}/webhooks/stripe/billing"))
+                .header("Stripe-Signature", sign(SECRET_A, &body))
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(post(0).await, 200);
+    proxy.set(Mode::Refuse);
+    for i in 1..=6 {
+        assert_eq!(post(i).await, 503);
+    }
+    proxy.set(Mode::Pass);
+    let mut status = 0;
+    for _ in 0..20 {
+        status = post(100).await;
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(status, 200, "{}", ingest.output());
+    let logs = ingest.output();
+    let failing: Vec<&str> = logs.lines().filter(|l| l.contains("the database is failing")).collect();
+    assert_eq!(failing.len(), 1, "one line for the outage:\n{logs}");
+    let target = format!("127.0.0.1:{} (user postgres, database {})", proxy.port, db.name);
+    assert!(failing[0].contains(&target) && failing[0].contains("refused"), "{}", failing[0]);
+    let back: Vec<&str> = logs.lines().filter(|l| l.contains("answers again (reconnected)")).collect();
+    assert_eq!(back.len(), 1, "{logs}");
+    assert!(back[0].contains("\"failed_calls\""), "{}", back[0]);
+    drop(ingest);
+
+    // A command that cannot connect says where it tried.
+    proxy.set(Mode::Refuse);
+    let mut cmd = inbox_test_support::process::command("inbox-worker");
+    cmd.env("DATABASE_URL", &via).arg("stats");
+    let (code, output) =
+        tokio::task::spawn_blocking(move || inbox_test_support::process::run(cmd, Duration::from_secs(30)))
+            .await
+            .unwrap();
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains(&format!("cannot connect to the database at {target}")), "{output}");
+}

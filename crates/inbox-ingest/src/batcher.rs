@@ -22,7 +22,7 @@ use std::time::Duration;
 use actix_web::web::Bytes;
 use deadpool_postgres::Pool;
 use inbox_domain::budget::BytesHeld;
-use inbox_domain::db::Pooler;
+use inbox_domain::db::{OutageLog, Pooler};
 use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent, Provenance};
 use inbox_domain::PROVIDER_STRIPE;
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
@@ -77,18 +77,9 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    /// Starts `writers` writer tasks on the current runtime. They stop when every handle is dropped.
-    /// `keep_raw`: rows also keep the exact bytes and the matching signature (`--keep-raw`).
-    pub fn start(
-        pool: Pool,
-        pooler: Pooler,
-        writers: usize,
-        db_timeout: Duration,
-        keep_raw: bool,
-        metrics: Metrics,
-        readiness: Arc<Readiness>,
-    ) -> Batcher {
-        let target = Target { pool, pooler, timeout: db_timeout, keep_raw, readiness };
+    /// Starts `writers` writer tasks on the current runtime, writing to `target`. They stop when
+    /// every handle is dropped.
+    pub fn start(target: Target, writers: usize, metrics: Metrics) -> Batcher {
         let (queue, rx) = mpsc::channel(MAX_BATCH * writers.max(1) * 4);
         let shared =
             Arc::new(Writers { queue: Mutex::new(rx), writing: AtomicUsize::new(0), changed: Notify::new() });
@@ -166,16 +157,19 @@ impl Pending {
 }
 
 /// Where and how batches are written.
+/// Where and how the writers store: built by the service at start.
 #[derive(Clone)]
-struct Target {
-    pool: Pool,
-    pooler: Pooler,
+pub struct Target {
+    pub pool: Pool,
+    pub pooler: Pooler,
     /// Bound on a connection plus the insert, and the insert's server-side statement timeout.
-    timeout: Duration,
+    pub timeout: Duration,
     /// Keep the exact bytes and the matching signature of every row (`--keep-raw`).
-    keep_raw: bool,
+    pub keep_raw: bool,
     /// Told of a misconfiguration an insert meets, so that `/readyz` says it.
-    readiness: Arc<Readiness>,
+    pub readiness: Arc<Readiness>,
+    /// One line when the database starts failing, one when it answers again.
+    pub outage: Arc<OutageLog>,
 }
 
 async fn writer(shared: Arc<Writers>, target: Target, metrics: Metrics) {
@@ -336,17 +330,33 @@ impl From<BatchError> for IngestError {
 
 async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(String, String)>, BatchError> {
     let work = async {
-        let client = target.pool.get().await.map_err(|e| BatchError::Unavailable(no_connection(&e)))?;
-        store::insert_events(&client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout)
-            .await
-            .map_err(|e| classify(target, e))
+        let client = target.pool.get().await.map_err(|e| {
+            let cause = no_connection(&e);
+            target.outage.failed("storing a batch", &cause);
+            BatchError::Unavailable(cause)
+        })?;
+        let inserted = store::insert_events(
+            &client,
+            target.pooler,
+            PROVIDER_STRIPE,
+            rows,
+            target.keep_raw,
+            target.timeout,
+        )
+        .await
+        .map_err(|e| classify(target, e))?;
+        target.outage.succeeded();
+        Ok(inserted)
     };
     match tokio::time::timeout(target.timeout, work).await {
         Ok(Ok(inserted)) => Ok(inserted.into_iter().collect()),
         Ok(Err(e)) => Err(e),
-        Err(_) => Err(BatchError::Unavailable(
-            format!("timed out: no connection and commit within --db-timeout ({:?})", target.timeout).into(),
-        )),
+        Err(_) => {
+            let cause =
+                format!("timed out: no connection and commit within --db-timeout ({:?})", target.timeout);
+            target.outage.failed("storing a batch", &cause);
+            Err(BatchError::Unavailable(cause.into()))
+        }
     }
 }
 
@@ -387,7 +397,7 @@ fn failed(target: &Target, e: &tokio_postgres::Error, what: &'static str) -> Bat
             tracing::error!(sqlstate, error, "{what}");
         }
     } else {
-        tracing::warn!(sqlstate, error, "{what}");
+        target.outage.failed(what, &error);
     }
     BatchError::Unavailable(error.into())
 }

@@ -12,11 +12,11 @@ use anyhow::Context as _;
 use deadpool_postgres::Pool;
 use inbox_domain::budget::ByteBudget;
 use inbox_domain::config::EndpointMode;
-use inbox_domain::db::{build_pool, check_reachable, PoolOptions, Pooler};
+use inbox_domain::db::{build_pool, check_reachable, OutageLog, PoolOptions, Pooler};
 use inbox_domain::inbox::signature::Verifier;
 use tokio::sync::Notify;
 
-use crate::batcher::Batcher;
+use crate::batcher::{Batcher, Target};
 use crate::configuration::{ConnectionLimits, Settings};
 use crate::error::IngestError;
 use crate::log_limit::LogLimit;
@@ -162,7 +162,7 @@ impl Application {
                 verify_on_checkout: true,
             },
         )?;
-        check_reachable(&pool).await?;
+        check_reachable(&pool, &settings.database).await?;
         // An older schema is not a refusal here: during a deploy the ingest may start before the
         // migration, and /readyz keeps it out of rotation until then. It is said at once, though.
         if let Ok(client) = pool.get().await {
@@ -186,15 +186,15 @@ impl Application {
         // Leave a couple of connections for readiness checks and the wake-up NOTIFY.
         let writers = settings.pool_size.saturating_sub(2).max(1);
         let readiness = Arc::new(Readiness::default());
-        let batcher = Batcher::start(
-            pool.clone(),
-            settings.database.pooler,
-            writers,
-            settings.db_timeout,
-            settings.keep_raw,
-            metrics.clone(),
-            readiness.clone(),
-        );
+        let target = Target {
+            pool: pool.clone(),
+            pooler: settings.database.pooler,
+            timeout: settings.db_timeout,
+            keep_raw: settings.keep_raw,
+            readiness: readiness.clone(),
+            outage: Arc::new(OutageLog::new(settings.database.target())),
+        };
+        let batcher = Batcher::start(target, writers, metrics.clone());
         let wake_workers = Arc::new(Notify::new());
         let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
         let mut names: Vec<&str> = settings.endpoints.iter().map(|e| e.name.as_str()).collect();

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use deadpool_postgres::Pool;
 use inbox_domain::budget::ByteBudget;
-use inbox_domain::db::describe_db_error;
+use inbox_domain::db::{describe_db_error, OutageLog};
 use inbox_domain::handler::{ClaimFilter, Registry};
 use inbox_domain::inbox::store::queue::{self, Claim, Claimed, Failure};
 use tokio::sync::{Notify, Semaphore};
@@ -35,6 +35,8 @@ pub struct Context {
     pub metrics: Metrics,
     /// Cancelled at the first stop signal: no new claims, unstarted rows are handed back.
     pub shutdown: CancellationToken,
+    /// One line when the claims start failing, one when they succeed again.
+    pub outage: OutageLog,
 }
 
 /// How much a worker takes on at once. A claim waits until all three have room.
@@ -92,6 +94,7 @@ pub async fn run(
         let budget = i64::try_from(free_bytes).unwrap_or(i64::MAX);
         let (claimed, parked) = match claim(&ctx, want, budget).await {
             Ok(claim) => {
+                ctx.outage.succeeded();
                 retry_delay = poll_interval.min(Duration::from_millis(500));
                 report_parked(&ctx, &claim.parked);
                 (claim.claimed, claim.parked.len())
@@ -100,7 +103,7 @@ pub async fn run(
                 if e.contains(inbox_domain::db::POOLER_FIX) {
                     tracing::error!(error = %e, "claim failed: the database settings are wrong; retrying");
                 } else {
-                    tracing::warn!(error = %e, "claim failed; retrying");
+                    ctx.outage.failed("claiming (retried with backoff)", &e);
                 }
                 tokio::select! {
                     _ = ctx.shutdown.cancelled() => break,

@@ -151,7 +151,7 @@ where
             verify_on_checkout: false,
         },
     )?;
-    check_reachable(&pool).await?;
+    check_reachable(&pool, &settings.database).await?;
     check_schema(&pool).await?;
 
     // Say what this worker claims before claiming anything: the rows of the other types are then
@@ -229,6 +229,7 @@ where
         db_timeout,
         metrics,
         shutdown: shutdown.clone(),
+        outage: inbox_domain::db::OutageLog::new(settings.database.target()),
     });
     let mut in_flight = producer::run(ctx, settings.capacity, settings.poll_interval, wake).await;
 

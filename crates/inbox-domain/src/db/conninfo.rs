@@ -913,6 +913,9 @@ mod tests {
 
         let info = resolve_url("postgresql://u@h/db").unwrap();
         assert_eq!(info.tls, TlsSettings::default());
+        // A line break after the string (a Kubernetes secret written with echo) is not part of it.
+        let info = resolve_url("postgresql://u:pw@h/db\n").unwrap();
+        assert_eq!((info.config.get_dbname(), info.config.get_password()), (Some("db"), Some(&b"pw"[..])));
         assert_eq!(info.config.get_ports(), [5432]);
         let info = resolve_url("postgres://u@[::1]:5433,h2:5434/db").unwrap();
         assert_eq!(info.config.get_ports(), [5433, 5434]);

@@ -137,6 +137,45 @@ impl DatabaseConfig {
         config
     }
 
+    /// Where connections go, for messages: hosts and ports (`db.example.com:5432`, a socket
+    /// directory, `host (hostaddr)`), the user and the database — never the password.
+    pub fn target(&self) -> String {
+        let ports = self.config.get_ports();
+        let addrs = self.config.get_hostaddrs();
+        let mut places: Vec<String> = self
+            .config
+            .get_hosts()
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let host = match host {
+                    tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                    tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+                };
+                let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                match addrs.get(i) {
+                    Some(addr) => format!("{host} ({addr}):{port}"),
+                    None => format!("{host}:{port}"),
+                }
+            })
+            .collect();
+        if places.is_empty() {
+            places = addrs
+                .iter()
+                .enumerate()
+                .map(|(i, addr)| {
+                    format!("{addr}:{}", ports.get(i).or(ports.first()).copied().unwrap_or(5432))
+                })
+                .collect();
+        }
+        format!(
+            "{} (user {}, database {})",
+            places.join(", "),
+            self.config.get_user().unwrap_or("?"),
+            self.config.get_dbname().unwrap_or("?")
+        )
+    }
+
     /// One connection, outside any pool (the worker's LISTEN connection, `migrate`), with its
     /// `Connection` to drive.
     pub async fn open(
@@ -319,16 +358,70 @@ pub fn abandon(client: deadpool_postgres::Object, database: &DatabaseConfig) {
 }
 
 /// Opens one connection and runs a trivial query: the start-up check that the database is there.
-pub async fn check_reachable(pool: &Pool) -> anyhow::Result<()> {
-    let client = pool
-        .get()
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to the database: {}", describe_pool_error(&e)))?;
-    client
-        .simple_query("SELECT 1")
-        .await
-        .map_err(|e| anyhow::anyhow!("the database does not answer: {}", describe_db_error(&e)))?;
+/// The error names where it tried (`database`'s [`DatabaseConfig::target`]).
+pub async fn check_reachable(pool: &Pool, database: &DatabaseConfig) -> anyhow::Result<()> {
+    let client = pool.get().await.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot connect to the database at {}: {}",
+            database.target(),
+            describe_pool_error(&e)
+        )
+    })?;
+    client.simple_query("SELECT 1").await.map_err(|e| {
+        anyhow::anyhow!("the database at {} does not answer: {}", database.target(), describe_db_error(&e))
+    })?;
     Ok(())
+}
+
+/// One line when the database starts failing and one when it answers again, instead of a line per
+/// failed call: an outage of a minute under load is thousands of calls. The failures in between
+/// are counted, and said at debug level.
+#[derive(Debug, Default)]
+pub struct OutageLog {
+    /// Where the database is ([`DatabaseConfig::target`]), named in the lines.
+    target: String,
+    /// Since when, and how many calls failed, while the outage lasts.
+    state: std::sync::Mutex<Option<(std::time::Instant, u64)>>,
+}
+
+impl OutageLog {
+    /// An outage log for the database at `target` (see [`DatabaseConfig::target`]).
+    pub fn new(target: String) -> Self {
+        OutageLog { target, state: Default::default() }
+    }
+
+    /// A call failed with `error` (the server's SQLSTATE and message, or the connection's fault)
+    /// while doing `what`: logged at warn when it starts an outage, at debug otherwise.
+    pub fn failed(&self, what: &str, error: &str) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match state.as_mut() {
+            None => {
+                *state = Some((std::time::Instant::now(), 1));
+                tracing::warn!(
+                    error,
+                    database = self.target,
+                    "{what} failed: the database is failing (one line until it answers again)"
+                );
+            }
+            Some((_, failures)) => {
+                *failures += 1;
+                tracing::debug!(error, "{what} failed");
+            }
+        }
+    }
+
+    /// A call succeeded: ends an outage, saying how long it lasted and how many calls failed.
+    pub fn succeeded(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((since, failures)) = state.take() {
+            tracing::info!(
+                failed_calls = failures,
+                outage_s = (since.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+                database = self.target,
+                "the database answers again (reconnected)"
+            );
+        }
+    }
 }
 
 /// A database error as every message and log line reports it: the server's message with its
