@@ -1386,3 +1386,34 @@ async fn without_actor_or_user_the_audit_records_the_os_user_and_says_so() {
         "{output}"
     );
 }
+
+#[tokio::test]
+async fn with_json_a_refusal_or_an_unreachable_database_is_one_json_document_on_stdout() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(&client, &[processed("evt_done", 60.0)]).await;
+    let json_error = |mut cmd: std::process::Command| async move {
+        let output = tokio::task::spawn_blocking(move || cmd.output()).await.unwrap().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert_eq!(output.status.code(), Some(1), "{stdout}\n{stderr}");
+        assert!(stderr.contains("inbox-worker: error: "), "stderr keeps the error for people: {stderr}");
+        let value: Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("not one JSON document ({e}):\n{stdout}"));
+        assert_eq!(keys(&value), ["error"], "{value}");
+        value["error"].as_str().unwrap().to_owned()
+    };
+
+    let error = json_error(worker(&db, &["requeue", "--event-id", "evt_done", "--json"])).await;
+    assert!(error.contains("was processed at") && error.contains("use `replay`"), "{error}");
+
+    let error =
+        json_error(worker(&db, &["dismiss", "--event-id", "evt_nope", "--reason", "test", "--json"])).await;
+    assert!(error.contains("no event evt_nope in the inbox"), "{error}");
+
+    // Nothing listens on port 1: the connection error, named by host and port, without the password.
+    let mut cmd = worker(&db, &["stats", "--json"]);
+    cmd.env("DATABASE_URL", "postgres://inbox:hunter2@127.0.0.1:1/inbox?connect_timeout=2");
+    let error = json_error(cmd).await;
+    assert!(error.contains("127.0.0.1:1") && !error.contains("hunter2"), "{error}");
+}

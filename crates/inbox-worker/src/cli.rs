@@ -107,6 +107,23 @@ pub enum Command {
     Verify(ops::verify::Args),
 }
 
+impl Command {
+    /// Whether the command was asked for JSON (`--json`): its errors are then a JSON document on
+    /// stdout too, for the script that reads it.
+    pub fn json(&self) -> bool {
+        match self {
+            Command::Stats(a) => a.output.json,
+            Command::NeedsReview(a) => a.output.json,
+            Command::Requeue(a) => a.output.json,
+            Command::Replay(a) => a.output.json,
+            Command::Dismiss(a) => a.output.json,
+            Command::Purge(a) => a.output.json,
+            Command::Verify(a) => a.output.json,
+            Command::Migrate | Command::Run(_) => false,
+        }
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Events in flight at once in this process. --concurrency / --batch-size transactions (and

@@ -93,10 +93,15 @@ pub fn main_with(registry: Registry) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let json = cli.command.json();
     match runtime.block_on(dispatch(cli, registry, &name)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{name}: error: {e:#}");
+            if json && e.downcast_ref::<ops::output::AfterReport>().is_none() {
+                // One document on stdout, as on success, for the script that parses it.
+                println!("{}", serde_json::json!({ "error": format!("{e:#}") }));
+            }
             ExitCode::FAILURE
         }
     }

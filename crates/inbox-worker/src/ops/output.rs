@@ -130,3 +130,17 @@ mod tests {
         assert_eq!(t.render(), "name     n\na       10\nlonger   2\n");
     }
 }
+
+/// The error of a command that printed its report first (an interrupted batch run, a signature
+/// that does not verify): the report is the one document on stdout, so the binary adds no JSON
+/// error after it (it still prints the error on stderr and exits 1).
+#[derive(Debug)]
+pub struct AfterReport(pub String);
+
+impl std::fmt::Display for AfterReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for AfterReport {}

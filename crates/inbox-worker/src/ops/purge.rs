@@ -29,7 +29,7 @@ use inbox_domain::PROVIDER_STRIPE;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use super::output::{emit, emit_json, plural, OutputArgs};
+use super::output::{emit, emit_json, plural, AfterReport, OutputArgs};
 use super::{db_error, ActorArgs, LIMITS};
 
 /// Flags of `purge`.
@@ -247,12 +247,13 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
         emit(&format!("{summary}\n"))?;
     }
     if let Some(signal) = interrupted_by {
-        anyhow::bail!(
+        return Err(AfterReport(format!(
             "purge interrupted by {signal} after deleting {deleted} row{} in {batches} {batch_word} \
              (audit record {run_id}); rows processed before {cutoff_text} are left: run it again to \
              delete them",
             plural(deleted as usize)
-        );
+        ))
+        .into());
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ use inbox_domain::inbox::store::{queue, set_limits};
 use inbox_domain::PROVIDER_STRIPE;
 use serde::Serialize;
 
-use super::output::{emit, emit_json, plural, OutputArgs};
+use super::output::{emit, emit_json, plural, AfterReport, OutputArgs};
 use super::purge::StopSignal;
 use super::{db_error, lock_one_event, ActorArgs, LIMITS};
 
@@ -344,22 +344,24 @@ async fn replay_type(
     }
     print_type_report(&report, args.output.json)?;
     if let Some(signal) = report.interrupted_by {
-        anyhow::bail!(
+        return Err(AfterReport(format!(
             "stopped by {signal} after {} batch{}: {} replayed, the rest not",
             report.batches,
             if report.batches == 1 { "" } else { "es" },
             report.replayed
-        );
+        ))
+        .into());
     }
     if let Some(first) = report.failed.first() {
-        anyhow::bail!(
+        return Err(AfterReport(format!(
             "{} event{} failed and kept their processed mark as it was (the first: {} of endpoint {}: {})",
             report.failed.len(),
             plural(report.failed.len()),
             first.event_id,
             first.endpoint,
             first.error
-        );
+        ))
+        .into());
     }
     Ok(())
 }

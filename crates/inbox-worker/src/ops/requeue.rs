@@ -28,7 +28,7 @@ use inbox_domain::inbox::store::set_limits;
 use inbox_domain::PROVIDER_STRIPE;
 use serde::Serialize;
 
-use super::output::{emit, emit_json, plural, OutputArgs, Table};
+use super::output::{emit, emit_json, plural, AfterReport, OutputArgs, Table};
 use super::purge::StopSignal;
 use super::{db_error, lock_one_event, ActorArgs, LIMITS};
 
@@ -335,12 +335,13 @@ async fn requeue_all(client: &mut deadpool_postgres::Object, args: &Args) -> any
         emit(&text)?;
     }
     if let Some(signal) = interrupted_by {
-        anyhow::bail!(
+        return Err(AfterReport(format!(
             "requeue interrupted by {signal} after requeuing {requeued} of {takes} row{} in {batches} \
              batch{} (audit record {run_id}); the others are still parked",
             plural(takes as usize),
             if batches == 1 { "" } else { "es" }
-        );
+        ))
+        .into());
     }
     Ok(())
 }
