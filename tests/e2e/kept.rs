@@ -368,10 +368,16 @@ async fn with_keep_raw_every_row_keeps_its_signed_bytes_and_verify_proves_them_o
     let (code, output) = verify("evt_kept", secrets.clone()).await;
     assert_eq!(code, 0, "{output}");
     assert!(
-        output.contains(&format!("valid, made by configured secret 1 of 2 ({})", fingerprint(SECRET_B))),
+        output.contains(&format!(
+            "valid, made by secret {} (position 1 of the 2 configured, from 0 as in `stats`)",
+            fingerprint(SECRET_B)
+        )),
+        "secrets are named by fingerprint and numbered as `stats` numbers them: {output}"
+    );
+    assert!(
+        output.contains(&format!("the ingest recorded secret {} (position 1)", fingerprint(SECRET_B))),
         "{output}"
     );
-    assert!(output.contains("the ingest recorded secret 1"), "{output}");
     assert!(output.contains("the stored payload is the signed body"), "{output}");
     let (code, output) = verify("evt_nul", secrets.clone()).await;
     assert_eq!(code, 0, "an unstorable body is evidence too: {output}");

@@ -14,7 +14,7 @@ use inbox_domain::inbox::signature::Verifier;
 use inbox_domain::inbox::store::admin::{self, Evidence};
 use serde::Serialize;
 
-use super::output::{emit, emit_json, OutputArgs};
+use super::output::{emit, emit_json, AfterReport, OutputArgs};
 use super::{db_error, EventArgs};
 
 /// Flags of `verify`.
@@ -139,19 +139,22 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
         emit(&render(&report, verifier.fingerprints()))?;
     }
     match (report.verified, report.identity_matches, report.payload_matches) {
-        (false, _, _) => anyhow::bail!(
+        (false, _, _) => Err(AfterReport(format!(
             "the kept signature of event {event_id} does not verify with any secret configured for endpoint {}",
             report.endpoint
-        ),
-        (true, false, _) => anyhow::bail!(
+        ))
+        .into()),
+        (true, false, _) => Err(AfterReport(format!(
             "the signed body is event {} ({}), not the row's event {event_id} ({}): the row was altered",
             report.signed_event_id.as_deref().unwrap_or("?"),
             report.signed_event_type.as_deref().unwrap_or("?"),
             report.event_type
-        ),
-        (true, true, Some(false)) => anyhow::bail!(
+        ))
+        .into()),
+        (true, true, Some(false)) => Err(AfterReport(format!(
             "the stored payload of event {event_id} is not the signed body read as JSON"
-        ),
+        ))
+        .into()),
         _ => Ok(()),
     }
 }
@@ -188,13 +191,15 @@ fn render(r: &Report, configured: &[String]) -> String {
         r.signed_at.as_deref().unwrap_or("?"),
         r.signature_t
     );
+    // Secrets are named by fingerprint, and their position counted from 0 as `stats` lists them.
     let recorded = match (r.recorded_secret_position, &r.recorded_secret_fingerprint) {
-        (Some(p), Some(f)) => format!("secret {p} ({f})"),
+        (Some(p), Some(f)) => format!("secret {f} (position {p})"),
         _ => "no secret".to_owned(),
     };
     match (r.secret_position, &r.secret_fingerprint) {
         (Some(p), Some(f)) => text.push_str(&format!(
-            "signature: valid, made by configured secret {p} of {} ({f}); the ingest recorded {recorded}\n",
+            "signature: valid, made by secret {f} (position {p} of the {} configured, from 0 as in `stats`); \
+             the ingest recorded {recorded}\n",
             configured.len()
         )),
         _ => text.push_str(&format!(
