@@ -415,3 +415,38 @@ async fn a_worker_with_default_flags_drains_one_mib_events_within_its_memory_bud
     // process itself (a debug build): well under 160 MiB.
     assert!(peak_kib < 160 * 1024, "peak RSS {} MiB", peak_kib / 1024);
 }
+
+/// Logs a file or a collector can read: text logs off a terminal carry no colour codes, and
+/// durations are rounded to a tenth of a millisecond, in both formats.
+#[tokio::test]
+async fn logs_off_a_terminal_are_plain_text_with_rounded_durations() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    for format in ["text", "json"] {
+        let id = format!("evt_log_{format}");
+        store_event(&client, "billing", &invoice_paid(&id, &format!("in_{format}"), 100)).await;
+        let mut cmd = worker(&db, &[]);
+        cmd.env("LOG_FORMAT", format);
+        let proc = start(cmd);
+        let line = proc.wait_for_line("event done", Duration::from_secs(30));
+        let output = proc.output();
+        assert!(
+            !output.contains('\u{1b}'),
+            "no ANSI escape codes in a {format} log off a terminal:\n{output}"
+        );
+        let elapsed = match format {
+            "text" => line
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("elapsed_ms="))
+                .unwrap_or_else(|| panic!("no elapsed_ms in {line}"))
+                .to_owned(),
+            _ => {
+                let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+                value["elapsed_ms"].to_string()
+            }
+        };
+        let decimals = elapsed.split_once('.').map_or(0, |(_, d)| d.len());
+        assert!(decimals <= 1, "elapsed_ms={elapsed} is rounded to a tenth: {line}");
+        drop(proc);
+    }
+}

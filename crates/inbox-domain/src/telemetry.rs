@@ -51,6 +51,12 @@ pub fn init_tracing(format: Option<LogFormat>) {
     };
 }
 
+/// A duration in milliseconds rounded to a tenth, for log fields: `elapsed_ms = 3.1`, not
+/// `3.141592653`.
+pub fn millis(duration: std::time::Duration) -> f64 {
+    (duration.as_secs_f64() * 1e4).round() / 10.0
+}
+
 /// The content type of the `/metrics` answers: OpenMetrics text, which Prometheus scrapes
 /// natively.
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

@@ -56,7 +56,7 @@ pub async fn receive_webhook(
             if stored.outcome == InsertOutcome::Unstorable {
                 state.metrics.unstorable(label);
             }
-            tracing::info!(outcome, elapsed_ms = elapsed.as_secs_f64() * 1e3, "webhook stored");
+            tracing::info!(outcome, elapsed_ms = inbox_domain::telemetry::millis(elapsed), "webhook stored");
         }
         Err(e) => {
             // Every refusal is counted; at most a few a second are logged (see crate::log_limit).

@@ -288,7 +288,7 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
                 tracing::info!(
                     outcome = counted.as_str(),
                     batch = n,
-                    elapsed_ms = elapsed.as_secs_f64() * 1e3,
+                    elapsed_ms = inbox_domain::telemetry::millis(elapsed),
                     "event done"
                 );
             }

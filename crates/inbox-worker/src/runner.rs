@@ -215,6 +215,7 @@ where
         lease_s = settings.lease.as_secs_f64(),
         statement_timeout_s = settings.limits.statement_timeout.as_secs_f64(),
         metrics = %metrics_server.as_ref().map_or_else(|| "off".to_owned(), |(_, a)| a.to_string()),
+        program = settings.program,
         "inbox-worker running"
     );
     ready(metrics_server.as_ref().map(|(_, a)| *a)).await;
@@ -264,7 +265,7 @@ where
         Err(_) => tracing::warn!("removing this worker's row timed out (it expires in a minute)"),
     }
     pool.close();
-    tracing::info!("inbox-worker stopped");
+    tracing::info!(program = settings.program, "inbox-worker stopped");
     Ok(())
 }
 

@@ -885,3 +885,24 @@ async fn a_bulk_replay_applies_events_an_earlier_worker_ignored_once_the_handler
         "a second replay changes nothing"
     );
 }
+
+#[tokio::test]
+async fn the_custom_worker_names_its_own_binary_when_it_starts_and_stops() {
+    let db = migrated_db().await;
+    let mut cmd = custom_worker(&db, &["run", "--poll-interval", "100ms"]);
+    cmd.env("LOG_FORMAT", "json");
+    let (running, stopped, status) = tokio::task::spawn_blocking(move || {
+        let mut worker = Proc::spawn(cmd);
+        let running = worker.wait_for_line("inbox-worker running", TIMEOUT);
+        worker.signal(SIGTERM);
+        let stopped = worker.wait_for_line("inbox-worker stopped", TIMEOUT);
+        (running, stopped, worker.wait(TIMEOUT))
+    })
+    .await
+    .unwrap();
+    assert_eq!(status.code(), Some(0));
+    for line in [running, stopped] {
+        let line: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(line["program"], "custom-worker", "a log collector tells the fleets apart: {line}");
+    }
+}
