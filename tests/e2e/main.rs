@@ -4,6 +4,7 @@
 mod bad_input;
 mod broken_orderings;
 mod connection;
+mod docs;
 mod group_commit;
 mod hardening;
 mod hygiene;
