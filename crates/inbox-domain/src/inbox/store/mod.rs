@@ -89,9 +89,30 @@ macro_rules! claimed_by_a_live_worker {
     };
 }
 
+/// The fence of every write after a claim, on the inbox and the outbox alike: the row `$row` still
+/// carries the claim `$claim` (its `attempts` and `leased_until`, the values the claim wrote). A
+/// row claimed again since — after the lease expired, or after an operator requeued it — carries
+/// other values, and the write does nothing: it belongs to the newer claim. A string literal, for
+/// `concat!`.
+macro_rules! fenced {
+    ($row:literal, $claim:literal) => {
+        concat!(
+            $row,
+            ".attempts = ",
+            $claim,
+            ".attempts AND ",
+            $row,
+            ".available_at = ",
+            $claim,
+            ".leased_until"
+        )
+    };
+}
+
 pub mod admin;
 pub mod gauges;
 pub mod ingest;
+pub mod outbox;
 pub mod queue;
 pub mod workers;
 

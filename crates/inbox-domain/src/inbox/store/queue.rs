@@ -373,7 +373,8 @@ pub async fn mark_processed(tx: &Transaction<'_>, ctids: &[&str]) -> Result<u64,
 /// lease ends, `$6` the errors; `$7` the attempt limit. Returns the rows recorded, each with
 /// whether it is now parked. A counted failure ends a run of interruptions (see
 /// [`RETURN_CLAIMS_SQL`]).
-pub const RECORD_FAILURES_SQL: &str = "\
+pub const RECORD_FAILURES_SQL: &str = concat!(
+    "\
 UPDATE webhook_inbox AS w
    SET last_error = f.error,
        interruptions = 0,
@@ -383,9 +384,11 @@ UPDATE webhook_inbox AS w
        AS f(provider, endpoint, event_id, attempts, leased_until, error)
  WHERE (w.provider, w.endpoint, w.event_id) = (f.provider, f.endpoint, f.event_id)
    AND w.processed_at IS NULL
-   AND w.attempts = f.attempts
-   AND w.available_at = f.leased_until
-RETURNING w.provider, w.endpoint, w.event_id, w.parked_at IS NOT NULL";
+   AND ",
+    fenced!("w", "f"),
+    "
+RETURNING w.provider, w.endpoint, w.event_id, w.parked_at IS NOT NULL"
+);
 
 /// One failed event of a batch: its claim and the error to record (truncated to
 /// [`super::MAX_ERROR_LEN`]).
@@ -434,7 +437,8 @@ pub async fn record_failures(
 /// carries this claim (see [`Claimed`]) and is unprocessed: a batch whose COMMIT was lost with its
 /// connection may have committed, and then there is nothing to return. Arrays `$1..$3` key, `$4`
 /// the claims' attempts, `$5` their lease ends.
-pub const RETURN_CLAIMS_SQL: &str = "\
+pub const RETURN_CLAIMS_SQL: &str = concat!(
+    "\
 UPDATE webhook_inbox AS w
    SET attempts = w.attempts - CASE WHEN $8 AND w.interruptions >= $9 THEN 0 ELSE 1 END,
        interruptions = w.interruptions + CASE WHEN $8 THEN 1 ELSE 0 END,
@@ -448,8 +452,9 @@ UPDATE webhook_inbox AS w
        AS c(provider, endpoint, event_id, attempts, leased_until)
  WHERE (w.provider, w.endpoint, w.event_id) = (c.provider, c.endpoint, c.event_id)
    AND w.processed_at IS NULL
-   AND w.attempts = c.attempts
-   AND w.available_at = c.leased_until";
+   AND ",
+    fenced!("w", "c")
+);
 
 /// Why claims are returned ([`return_claims`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
