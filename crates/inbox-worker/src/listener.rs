@@ -1,23 +1,44 @@
-//! Wake-ups: a dedicated connection LISTENs for the ingest's (coalesced) NOTIFY and wakes the
-//! producer, so an idle worker picks up new rows without waiting for its poll interval.
+//! Wake-ups: a dedicated connection LISTENs for a (coalesced) NOTIFY — the ingest's for the
+//! workers, the workers' for the relays — and wakes the producer, so an idle worker or relay picks
+//! up new rows without waiting for its poll interval.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use inbox_domain::db::DatabaseConfig;
-use inbox_domain::inbox::store::queue::LISTEN_SQL;
 use tokio::sync::Notify;
 use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
-/// Listens until `shutdown`, reconnecting after failures; the poll interval covers the gaps.
-pub async fn run(database: DatabaseConfig, wake: Arc<Notify>, shutdown: CancellationToken) {
+/// What to listen on, and the connection's `application_name`.
+#[derive(Debug, Clone, Copy)]
+pub struct Channel {
+    /// The `LISTEN …` statement (from the store).
+    pub listen_sql: &'static str,
+    pub application_name: &'static str,
+}
+
+/// The workers' channel: the ingest's wake-ups.
+pub const INBOX: Channel = Channel {
+    listen_sql: inbox_domain::inbox::store::queue::LISTEN_SQL,
+    application_name: "inbox-worker-listener",
+};
+
+/// The relays' channel: the workers' wake-ups after batches that may have written outbox rows.
+pub const OUTBOX: Channel = Channel {
+    listen_sql: inbox_domain::inbox::store::outbox::LISTEN_SQL,
+    application_name: "inbox-relay-listener",
+};
+
+/// Listens on `channel` until `shutdown`, reconnecting after failures; the poll interval covers
+/// the gaps.
+pub async fn run(database: DatabaseConfig, channel: Channel, wake: Arc<Notify>, shutdown: CancellationToken) {
     let mut delay = Duration::from_millis(200);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            result = listen(&database, &wake) => {
+            result = listen(&database, channel, &wake) => {
                 if let Err(e) = result {
                     tracing::debug!(
                         error = %inbox_domain::db::describe_db_error(&e),
@@ -33,10 +54,14 @@ pub async fn run(database: DatabaseConfig, wake: Arc<Notify>, shutdown: Cancella
     }
 }
 
-async fn listen(database: &DatabaseConfig, wake: &Notify) -> Result<(), tokio_postgres::Error> {
-    let (client, mut connection) = database.open("inbox-worker-listener").await?;
+async fn listen(
+    database: &DatabaseConfig,
+    channel: Channel,
+    wake: &Notify,
+) -> Result<(), tokio_postgres::Error> {
+    let (client, mut connection) = database.open(channel.application_name).await?;
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-    let subscribe = client.batch_execute(LISTEN_SQL);
+    let subscribe = client.batch_execute(channel.listen_sql);
     tokio::pin!(subscribe);
     // The connection is driven by polling its message stream: do both until LISTEN is done.
     loop {

@@ -215,20 +215,25 @@ impl Default for Metrics {
 
 /// Serves `GET /metrics` and `GET /healthz` on `address` until the returned handle stops it.
 /// `/healthz` is 200 while the processing runtime beats, 503 once it stalled (see [`Heartbeat`]).
-pub fn serve(
+/// `render` gives the metrics' text (the worker's, or the relay's).
+pub fn serve<R>(
     address: SocketAddr,
-    metrics: Metrics,
-) -> anyhow::Result<(actix_web::dev::ServerHandle, SocketAddr)> {
+    render: R,
+    heartbeat: Heartbeat,
+) -> anyhow::Result<(actix_web::dev::ServerHandle, SocketAddr)>
+where
+    R: Fn() -> String + Clone + Send + 'static,
+{
     let listener = std::net::TcpListener::bind(address)?;
     let bound = listener.local_addr()?;
     let server = HttpServer::new(move || {
-        let metrics = metrics.clone();
-        let heartbeat = metrics.heartbeat.clone();
+        let render = render.clone();
+        let heartbeat = heartbeat.clone();
         App::new()
             .route(
                 "/metrics",
                 web::get().to(move || {
-                    let body = metrics.render();
+                    let body = render();
                     async move {
                         HttpResponse::Ok()
                             .content_type(inbox_domain::telemetry::METRICS_CONTENT_TYPE)

@@ -1,6 +1,7 @@
 //! The producer: claims ready rows (transaction 1) as capacity frees up, and hands each to an
 //! executor task. It stops claiming the moment shutdown starts.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -37,6 +38,40 @@ pub struct Context {
     pub shutdown: CancellationToken,
     /// One line when the claims start failing, one when they succeed again.
     pub outage: OutageLog,
+    /// Wakes the relays after a batch that processed events: their handlers may have written
+    /// outbox rows, which the relays then look for at once.
+    pub wake_relays: RelayWake,
+}
+
+/// At most one wake-up of the relays (`NOTIFY outbox`) per interval from this worker, sent by the
+/// batch that finds it due, on its own connection once its transaction committed: waking them
+/// never takes a connection from the pool, and never adds a NOTIFY to a processing transaction
+/// (each would take PostgreSQL's global notify lock at its commit and serialise the commits). A
+/// row committed in the gap is found by the next wake-up, or by the relays' poll.
+#[derive(Debug)]
+pub struct RelayWake {
+    epoch: Instant,
+    /// Milliseconds since `epoch` of the last wake-up, plus one interval (so the first is due).
+    last_ms: std::sync::atomic::AtomicU64,
+    interval_ms: u64,
+}
+
+impl RelayWake {
+    pub fn new(interval: Duration) -> Self {
+        RelayWake {
+            epoch: Instant::now(),
+            last_ms: Default::default(),
+            interval_ms: interval.as_millis() as u64,
+        }
+    }
+
+    /// True for the one caller that is to send the next wake-up.
+    fn due(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.epoch.elapsed().as_millis() as u64 + self.interval_ms;
+        let last = self.last_ms.load(Relaxed);
+        now >= last + self.interval_ms && self.last_ms.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
+    }
 }
 
 /// How much a worker takes on at once. A claim waits until all three have room.
@@ -62,9 +97,43 @@ impl Capacity {
     }
 }
 
+/// A queue the producer claims from and hands batches of to tasks: the inbox (`run`, this
+/// module's [`Context`]) or the outbox (`relay`). The producer owns what both share — capacity
+/// (rows, transactions and bytes in flight), the wake-ups, the backoff of failing claims and the
+/// stop at shutdown; the queue says how to claim and how to work a batch.
+pub trait Work: Send + Sync + 'static {
+    /// A claimed row.
+    type Row: Send + 'static;
+    /// Claims up to `want` rows whose bytes stay within `budget` (the first row always).
+    fn claim(
+        &self,
+        want: usize,
+        budget: i64,
+    ) -> impl Future<Output = Result<Batch<Self::Row>, String>> + Send;
+    /// What holding `row` costs in memory.
+    fn bytes(row: &Self::Row) -> u64;
+    /// Works one claimed batch to its end (each row's outcome recorded, or handed back at
+    /// shutdown).
+    fn process(self: Arc<Self>, rows: Vec<Self::Row>) -> impl Future<Output = ()> + Send;
+    /// Cancelled at the first stop signal.
+    fn shutdown(&self) -> &CancellationToken;
+    /// Where failing claims are said, once per outage.
+    fn outage(&self) -> &OutageLog;
+    /// Counts a claim's size (a metric).
+    fn observe_claim(&self, rows: usize);
+}
+
+/// What a claim came to, for the producer.
+pub struct Batch<R> {
+    pub rows: Vec<R>,
+    /// The claim took as many places as it was given (rows claimed, and rows it parked or held):
+    /// more may be ready, so the producer claims again at once.
+    pub full: bool,
+}
+
 /// Claims and dispatches until shutdown; returns the tasks still in flight.
-pub async fn run(
-    ctx: Arc<Context>,
+pub async fn run<W: Work>(
+    work: Arc<W>,
     capacity: Capacity,
     poll_interval: Duration,
     wake: Arc<Notify>,
@@ -73,63 +142,62 @@ pub async fn run(
     let transactions = Arc::new(Semaphore::new(capacity.transactions));
     let payloads = ByteBudget::new(capacity.bytes);
     let mut tasks = JoinSet::new();
+    let shutdown = work.shutdown().clone();
     let mut retry_delay = poll_interval.min(Duration::from_millis(500));
     loop {
         while let Some(done) = tasks.try_join_next() {
             report_task_end(done);
         }
-        if ctx.shutdown.is_cancelled() {
+        if shutdown.is_cancelled() {
             break;
         }
         let (free_events, free_bytes) = (events.available_permits(), payloads.available());
         if free_events == 0 || free_bytes == 0 || transactions.available_permits() == 0 {
             // Every task returns its capacity when it ends.
             tokio::select! {
-                _ = ctx.shutdown.cancelled() => break,
+                _ = shutdown.cancelled() => break,
                 Some(done) = tasks.join_next() => report_task_end(done),
             }
             continue;
         }
         let want = free_events.min(capacity.batch_size);
         let budget = i64::try_from(free_bytes).unwrap_or(i64::MAX);
-        let (claimed, parked) = match claim(&ctx, want, budget).await {
-            Ok(claim) => {
-                ctx.outage.succeeded();
+        let batch = match work.claim(want, budget).await {
+            Ok(batch) => {
+                work.outage().succeeded();
                 retry_delay = poll_interval.min(Duration::from_millis(500));
-                report_parked(&ctx, &claim.parked);
-                (claim.claimed, claim.parked.len())
+                batch
             }
             Err(e) => {
                 if e.contains(inbox_domain::db::POOLER_FIX) {
                     tracing::error!(error = %e, "claim failed: the database settings are wrong; retrying");
                 } else {
-                    ctx.outage.failed("claiming (retried with backoff)", &e);
+                    work.outage().failed("claiming (retried with backoff)", &e);
                 }
                 tokio::select! {
-                    _ = ctx.shutdown.cancelled() => break,
+                    _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(retry_delay) => {}
                 }
                 retry_delay = (retry_delay * 2).min(Duration::from_secs(5));
                 continue;
             }
         };
-        ctx.metrics.claim_batch_size.observe(claimed.len() as f64);
-        // Rows the claim parked took places of its limit too: then more may be ready as well.
-        let full = claimed.len() + parked == want;
-        if !claimed.is_empty() {
-            let bytes: u64 = claimed.iter().map(|c| c.bytes.max(0) as u64).sum();
+        let Batch { rows, full } = batch;
+        work.observe_claim(rows.len());
+        if !rows.is_empty() {
+            let bytes: u64 = rows.iter().map(W::bytes).sum();
             // The claim stopped at the free budget but for its last row: charge what is free at most.
             let k = payloads.take_available(bytes);
             let permits = (
-                events.clone().try_acquire_many_owned(claimed.len() as u32),
+                events.clone().try_acquire_many_owned(rows.len() as u32),
                 transactions.clone().try_acquire_owned(),
             );
             let (Ok(e), Ok(t)) = permits else {
                 unreachable!("only this loop takes capacity, and it claimed within what was free")
             };
-            let ctx = ctx.clone();
+            let work = work.clone();
             tasks.spawn(async move {
-                process_batch(&ctx, claimed).await;
+                work.process(rows).await;
                 drop((e, t, k));
             });
         }
@@ -137,12 +205,44 @@ pub async fn run(
             continue; // More may be ready: claim again as soon as there is room.
         }
         tokio::select! {
-            _ = ctx.shutdown.cancelled() => break,
+            _ = shutdown.cancelled() => break,
             _ = wake.notified() => {}
             _ = tokio::time::sleep(poll_interval) => {}
         }
     }
     tasks
+}
+
+impl Work for Context {
+    type Row = Claimed;
+
+    async fn claim(&self, want: usize, budget: i64) -> Result<Batch<Claimed>, String> {
+        let claim = claim(self, want, budget).await?;
+        report_parked(self, &claim.parked);
+        // Rows the claim parked took places of its limit too: then more may be ready as well.
+        let full = claim.claimed.len() + claim.parked.len() == want;
+        Ok(Batch { rows: claim.claimed, full })
+    }
+
+    fn bytes(row: &Claimed) -> u64 {
+        row.bytes.max(0) as u64
+    }
+
+    async fn process(self: Arc<Self>, rows: Vec<Claimed>) {
+        process_batch(&self, rows).await;
+    }
+
+    fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
+    fn outage(&self) -> &OutageLog {
+        &self.outage
+    }
+
+    fn observe_claim(&self, rows: usize) {
+        self.metrics.claim_batch_size.observe(rows as f64);
+    }
 }
 
 fn report_task_end(done: Result<(), tokio::task::JoinError>) {
@@ -227,6 +327,11 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
     let outcomes = executor::execute_batch(&mut conn, &ctx.registry, &claimed, &ctx.limits).await;
     let elapsed = started.elapsed();
     ctx.metrics.in_flight.dec_by(n);
+    if outcomes.contains(&Outcome::Processed) && conn.is_clean() && ctx.wake_relays.due() {
+        if let Err(e) = conn.client().batch_execute(inbox_domain::inbox::store::outbox::NOTIFY_SQL).await {
+            tracing::debug!(error = %describe_db_error(&e), "relay wake-up NOTIFY failed (relays also poll)");
+        }
+    }
     ctx.metrics.processing_seconds.observe(elapsed.as_secs_f64());
 
     let failures: Vec<Failure<'_>> = claimed

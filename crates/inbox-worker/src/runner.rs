@@ -171,8 +171,10 @@ where
     let metrics = Metrics::new();
     let metrics_server = match settings.metrics_listen {
         Some(address) => {
-            let (handle, bound) = metrics::serve(address, metrics.clone())
-                .with_context(|| format!("serving metrics on {address}"))?;
+            let rendered = metrics.clone();
+            let (handle, bound) =
+                metrics::serve(address, move || rendered.render(), metrics.heartbeat.clone())
+                    .with_context(|| format!("serving metrics on {address}"))?;
             Some((handle, bound))
         }
         None => None,
@@ -203,7 +205,12 @@ where
             "behind a transaction pooler: no LISTEN wake-ups, polling for new rows"
         );
     } else {
-        tokio::spawn(crate::listener::run(settings.database.clone(), wake.clone(), background.clone()));
+        tokio::spawn(crate::listener::run(
+            settings.database.clone(),
+            crate::listener::INBOX,
+            wake.clone(),
+            background.clone(),
+        ));
     }
 
     tracing::info!(
@@ -231,6 +238,7 @@ where
         metrics,
         shutdown: shutdown.clone(),
         outage: inbox_domain::db::OutageLog::new(settings.database.target()),
+        wake_relays: producer::RelayWake::new(RELAY_NOTIFY_INTERVAL),
     });
     let mut in_flight = producer::run(ctx, settings.capacity, settings.poll_interval, wake).await;
 
@@ -268,6 +276,10 @@ where
     tracing::info!(program = settings.program, "inbox-worker stopped");
     Ok(())
 }
+
+/// Shortest gap between two wake-ups of the relays from one worker process (see
+/// [`producer::RelayWake`]).
+pub const RELAY_NOTIFY_INTERVAL: Duration = Duration::from_millis(20);
 
 /// Refuses to run on a schema older than this build's (every claim would fail on a missing table
 /// or column, over and over); warns on a newer one.
