@@ -41,6 +41,14 @@ impl Cli {
                 "DATABASE_URL, DATABASE_PASSWORD_FILE or a pgpass file",
             ));
         }
+        if matches.subcommand_matches("relay").is_some_and(|relay| {
+            relay.value_source("signing_secret") == Some(clap::parser::ValueSource::CommandLine)
+        }) {
+            cli.global.secret_flags.push(inbox_domain::config::secret_flag_warning(
+                "--signing-secret",
+                "INBOX_RELAY_SECRET or --signing-secret-file",
+            ));
+        }
         if matches.subcommand_matches("verify").is_some_and(|verify| {
             verify.value_source("secrets") == Some(clap::parser::ValueSource::CommandLine)
         }) {
@@ -105,6 +113,9 @@ pub enum Command {
     /// Check a stored event against the signature kept with its raw body (ingest --keep-raw):
     /// which configured secret made it, and that the payload is the signed body.
     Verify(ops::verify::Args),
+    /// Deliver outbox rows to an HTTP receiver (Standard Webhooks signing) or NATS JetStream
+    /// until SIGTERM/SIGINT, and mark them published.
+    Relay(crate::relay::RelayArgs),
 }
 
 impl Command {
@@ -119,7 +130,7 @@ impl Command {
             Command::Dismiss(a) => a.output.json,
             Command::Purge(a) => a.output.json,
             Command::Verify(a) => a.output.json,
-            Command::Migrate | Command::Run(_) => false,
+            Command::Migrate | Command::Run(_) | Command::Relay(_) => false,
         }
     }
 }

@@ -63,6 +63,8 @@ mod ops;
 #[doc(hidden)]
 pub mod producer;
 #[doc(hidden)]
+pub mod relay;
+#[doc(hidden)]
 pub mod runner;
 
 /// What a handler needs, and what a worker binary registers.
@@ -133,6 +135,10 @@ async fn dispatch(cli: cli::Cli, mut registry: Registry, program: &str) -> anyho
             let mut settings = runner::Settings::from_args(database, args.max_attempts, &args)?;
             settings.program = program.to_owned();
             runner::run(settings, registry, runner::os_signals()).await
+        }
+        cli::Command::Relay(args) => {
+            let settings = relay::Settings::from_args(database, &args)?;
+            relay::run(settings, runner::os_signals()).await
         }
         command => ops::execute(command, database, &registry).await,
     }
