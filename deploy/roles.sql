@@ -12,8 +12,9 @@
 --   inbox_owner     owns the tables; runs `inbox-worker migrate` (and your own worker's migrate)
 --   inbox_ingest    inbox-ingest: inserts verified events, reads the schema version (readiness)
 --   inbox_worker    inbox-worker run: claims and marks inbox rows, writes the invoice tables
+--   inbox_relay     inbox-worker relay: claims, reads and marks outbox rows, nothing else
 --   inbox_operator  stats, needs-review, requeue, replay, dismiss, purge; audit rows insert-only
---   inbox_metrics   read-only counts for KEDA and dashboards: no payloads
+--   inbox_metrics   read-only counts for KEDA and dashboards: no payloads, no errors
 --
 -- A team's own worker writes its own tables: grant them to inbox_worker and inbox_operator (replay
 -- runs the same handlers) in a file of your own, applied the same way.
@@ -34,7 +35,7 @@ DO $roles$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_operator', 'inbox_metrics'] LOOP
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics'] LOOP
         BEGIN
             EXECUTE format('CREATE ROLE %I LOGIN', name);
         EXCEPTION WHEN duplicate_object THEN
@@ -48,14 +49,14 @@ $roles$;
 -- database owner's call, as other roles may use this database).
 DO $connect$
 BEGIN
-    EXECUTE format('GRANT CONNECT ON DATABASE %I TO inbox_owner, inbox_ingest, inbox_worker, inbox_operator, inbox_metrics',
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO inbox_owner, inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics',
                    current_database());
 END
 $connect$;
 
 -- The owner: the tables, and the right to create more in the schema (later migrations).
 GRANT USAGE, CREATE ON SCHEMA public TO inbox_owner;
-GRANT USAGE ON SCHEMA public TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
+GRANT USAGE ON SCHEMA public TO inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics;
 ALTER TABLE public.webhook_inbox OWNER TO inbox_owner;
 ALTER TABLE public.invoices OWNER TO inbox_owner;
 ALTER TABLE public.outbox OWNER TO inbox_owner;
@@ -77,7 +78,7 @@ DO $search_path$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_operator', 'inbox_metrics'] LOOP
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics'] LOOP
         EXECUTE format('ALTER ROLE %I IN DATABASE %I SET search_path = public, pg_temp',
                        name, current_database());
     END LOOP;
@@ -85,7 +86,7 @@ END
 $search_path$;
 
 -- Everyone may read the schema version (the ingest's /readyz; `migrate` as the owner).
-GRANT SELECT ON public.refinery_schema_history TO inbox_ingest, inbox_worker, inbox_operator, inbox_metrics;
+GRANT SELECT ON public.refinery_schema_history TO inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics;
 
 -- inbox_ingest: the group-commit INSERT … ON CONFLICT DO NOTHING RETURNING endpoint, event_id.
 -- Column privileges: it can neither read payloads nor change a row once stored. Besides the event
@@ -116,6 +117,15 @@ GRANT SELECT, UPDATE ON public.queue_gauges TO inbox_worker;
 -- Each worker's row saying what it claims (V9): written at start, refreshed, removed at stop.
 GRANT SELECT, INSERT, UPDATE, DELETE ON public.inbox_workers TO inbox_worker;
 
+-- inbox_relay: claim (lease, attempt, fencing token), read what it delivers, mark published,
+-- record failures, park, hand back — on outbox rows only. It never inserts or deletes one, never
+-- rewrites what a handler wrote (aggregate, event type, payload), and reads nothing else. Granted
+-- again from scratch, like the inbox's UPDATE above.
+REVOKE UPDATE ON public.outbox FROM inbox_relay, inbox_operator;
+GRANT SELECT ON public.outbox TO inbox_relay;
+GRANT UPDATE (attempts, available_at, fencing_token, last_error, parked_at, published_at)
+      ON public.outbox TO inbox_relay;
+
 -- inbox_operator: reads and requeues (the queue's columns), purges (DELETE), replays (the
 -- handlers' tables, and the processed mark). Audit rows: insert only, and only the columns an
 -- operator declares; the database fills in db_user and client_addr itself.
@@ -125,6 +135,9 @@ GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error
 GRANT SELECT, INSERT, UPDATE ON public.invoices TO inbox_operator;
 GRANT SELECT, INSERT ON public.ledger_entries, public.reconciliation_items TO inbox_operator;
 GRANT INSERT ON public.outbox TO inbox_operator;
+-- Outbox rows: needs-review --outbox, requeue --outbox (the delivery columns), purge of published rows.
+GRANT SELECT, DELETE ON public.outbox TO inbox_operator;
+GRANT UPDATE (attempts, available_at, parked_at, last_error) ON public.outbox TO inbox_operator;
 GRANT SELECT ON public.inbox_workers TO inbox_operator;
 GRANT INSERT (actor, action, target, affected) ON public.operator_audit TO inbox_operator;
 GRANT SELECT (id) ON public.operator_audit TO inbox_operator;
@@ -135,5 +148,9 @@ GRANT SELECT (provider, endpoint, event_id, event_type, received_at, available_a
               processed_at, parked_at, payload_bytes, held, secret_position, secret_fingerprint,
               signature_t) ON public.webhook_inbox TO inbox_metrics;
 GRANT SELECT ON public.queue_gauges, public.inbox_workers TO inbox_metrics;
+-- The outbox's pending, parked and blocked counts (`stats`, the relay's KEDA query): not payload
+-- or last_error.
+GRANT SELECT (id, aggregate_type, aggregate_id, event_type, created_at, published_at, attempts,
+              available_at, parked_at, fencing_token) ON public.outbox TO inbox_metrics;
 
 RESET search_path;

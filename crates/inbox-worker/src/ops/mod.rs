@@ -13,6 +13,7 @@
 pub mod dismiss;
 pub mod migrate;
 pub mod needs_review;
+mod outbox;
 pub mod output;
 pub mod purge;
 pub mod replay;
@@ -144,7 +145,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Dismiss(args) => dismiss::run(&mut conn, &args).await,
         Command::Purge(args) => purge::run(&mut conn, &args).await,
         Command::Verify(args) => verify::run(&**conn, &args).await,
-        Command::Run(_) => unreachable!("`run` is not an operator command"),
+        Command::Run(_) | Command::Relay(_) => unreachable!("`run` and `relay` are not operator commands"),
     }
 }
 

@@ -17,6 +17,10 @@ pub struct Args {
     /// Most rows listed.
     #[arg(long, default_value_t = 100)]
     pub limit: i64,
+    /// The parked outbox rows instead (deliveries the relays gave up on), with the later rows of
+    /// their aggregate each holds back.
+    #[arg(long)]
+    pub outbox: bool,
 }
 
 /// The widest `last_error` shown in the table (JSON has it whole).
@@ -26,6 +30,9 @@ const TABLE_ERROR_WIDTH: usize = 80;
 pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Args) -> anyhow::Result<()> {
     if args.limit < 1 {
         anyhow::bail!("--limit must be at least 1 (got {})", args.limit);
+    }
+    if args.outbox {
+        return super::outbox::needs_review(client, args.limit, args.output.json).await;
     }
     let rows = admin::parked_rows(client, args.limit).await.map_err(db_error("listing the parked rows"))?;
     if args.output.json {

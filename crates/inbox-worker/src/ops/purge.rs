@@ -1,5 +1,6 @@
 //! `purge`: deletes processed rows older than an age, in batches, each its own short transaction
-//! under the operator limits ([`super::LIMITS`]: statement and lock timeouts).
+//! under the operator limits ([`super::LIMITS`]: statement and lock timeouts); then the outbox rows
+//! published before the same cutoff (undelivered ones are never touched), the same way.
 //!
 //! Ages: under Stripe's 3-day retry window only with `--force`; under twice the ingest's
 //! signature tolerance (`--tolerance`, 5 minutes by default) never, `--force` or not.
@@ -83,6 +84,11 @@ struct Report<'a> {
     deleted: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     batches: Option<u64>,
+    /// Published outbox rows (`matched` and `deleted` count the inbox's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    outbox_matched: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    outbox_deleted: Option<u64>,
     cutoff: &'a str,
     older_than_seconds: u64,
     /// The first audit record of the run.
@@ -129,6 +135,9 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
         let matched = admin::purge_count(&***client, start.cutoff)
             .await
             .map_err(db_error("counting the rows to purge"))?;
+        let outbox_matched = inbox_domain::inbox::store::outbox::count_purgeable(&***client, start.cutoff)
+            .await
+            .map_err(db_error("counting the outbox rows to purge"))?;
         if args.output.json {
             return emit_json(&Report {
                 action: "purge",
@@ -136,6 +145,8 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
                 matched: Some(matched),
                 deleted: None,
                 batches: None,
+                outbox_matched: Some(outbox_matched),
+                outbox_deleted: None,
                 cutoff: cutoff_text,
                 older_than_seconds: args.older_than.as_secs(),
                 audit_id: None,
@@ -144,8 +155,9 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
         }
         return emit(&format!(
             "dry run: {matched} processed row{} older than {older_than} (processed before {cutoff_text}) \
-             would be deleted; nothing changed\n",
-            plural(matched as usize)
+             and {outbox_matched} outbox row{} published before it would be deleted; nothing changed\n",
+            plural(matched as usize),
+            plural(outbox_matched as usize)
         ));
     }
 
@@ -190,6 +202,32 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
             Err(e) => break Outcome::Failed(e),
         }
     };
+    // Then the published outbox rows, in id order from the start: one pass over the primary key.
+    let mut outbox_deleted = 0u64;
+    let outcome = match outcome {
+        Outcome::Completed => {
+            let mut after_id = 0i64;
+            loop {
+                if let Some(signal) = stop.received() {
+                    break Outcome::Interrupted(signal);
+                }
+                match purge_outbox_batch(client, args, run_id, batches + 1, start.cutoff, after_id).await {
+                    Ok((n, last)) => {
+                        if n > 0 {
+                            outbox_deleted += n as u64;
+                            batches += 1;
+                        }
+                        match last {
+                            Some(last) => after_id = last,
+                            None => break Outcome::Completed,
+                        }
+                    }
+                    Err(e) => break Outcome::Failed(e),
+                }
+            }
+        }
+        other => other,
+    };
 
     // The run's last record: how it ended. Best effort after a failure (the database may be gone;
     // the batch records already say what was deleted).
@@ -203,6 +241,7 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
         "run": run_id,
         "outcome": outcome_name,
         "deleted": deleted,
+        "outbox_deleted": outbox_deleted,
         "batches": batches,
     });
     if let (Some(error), Some(end)) = (&error, end.as_object_mut()) {
@@ -213,8 +252,9 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
     let batch_word = if batches == 1 { "batch" } else { "batches" };
     let summary = format!(
         "deleted {deleted} processed row{} older than {older_than} (processed before {cutoff_text}) \
-         in {batches} {batch_word}; audit record {run_id}",
+         and {outbox_deleted} outbox row{} published before it, in {batches} {batch_word}; audit record {run_id}",
         plural(deleted as usize),
+        plural(outbox_deleted as usize),
     );
     match outcome {
         Outcome::Failed(_) => anyhow::bail!(
@@ -238,6 +278,8 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
             matched: None,
             deleted: Some(deleted),
             batches: Some(batches),
+            outbox_matched: None,
+            outbox_deleted: Some(outbox_deleted),
             cutoff: cutoff_text,
             older_than_seconds: args.older_than.as_secs(),
             audit_id: Some(run_id),
@@ -275,6 +317,28 @@ async fn purge_one_batch(
     if done.deleted > 0 {
         let target = serde_json::json!({"provider": PROVIDER_STRIPE, "run": run_id, "batch": batch});
         admin::insert_audit(&*tx, args.actor.name(), "purge", &target, done.deleted).await?;
+    }
+    tx.commit().await?;
+    Ok(done)
+}
+
+/// One batch of published outbox rows in its own transaction, with its audit record
+/// (`target.table`: `outbox`); returns the rows deleted and the last id looked at.
+async fn purge_outbox_batch(
+    client: &mut deadpool_postgres::Object,
+    args: &Args,
+    run_id: i64,
+    batch: u64,
+    cutoff: std::time::SystemTime,
+    after_id: i64,
+) -> Result<(i64, Option<i64>), tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    set_limits(&tx, &LIMITS).await?;
+    let done =
+        inbox_domain::inbox::store::outbox::purge_batch(&*tx, cutoff, after_id, args.batch_size).await?;
+    if done.0 > 0 {
+        let target = serde_json::json!({"table": "outbox", "run": run_id, "batch": batch});
+        admin::insert_audit(&*tx, args.actor.name(), "purge", &target, done.0 as u64).await?;
     }
     tx.commit().await?;
     Ok(done)

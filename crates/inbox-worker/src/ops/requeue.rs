@@ -37,11 +37,18 @@ pub const CONFIRM_ABOVE: i64 = 100;
 
 /// Flags of `requeue`.
 #[derive(Debug, ClapArgs)]
-#[command(group(clap::ArgGroup::new("target").required(true).args(["event_id", "all"])))]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["event_id", "all", "id"])))]
 pub struct Args {
     /// The event to requeue.
     #[arg(long)]
     pub event_id: Option<String>,
+    /// Parked outbox rows instead (deliveries the relays gave up on): `--id` one, or `--all`.
+    /// The rows of an aggregate held behind a requeued row follow it, in order.
+    #[arg(long, conflicts_with_all = ["event_id", "endpoint"])]
+    pub outbox: bool,
+    /// With --outbox: the outbox row to requeue.
+    #[arg(long, requires = "outbox", conflicts_with = "all")]
+    pub id: Option<i64>,
     /// The endpoint of --event-id (needed when the id is stored for several endpoints).
     #[arg(long, requires = "event_id")]
     pub endpoint: Option<String>,
@@ -95,6 +102,21 @@ struct Report<'a> {
 
 /// `requeue`.
 pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow::Result<()> {
+    if args.outbox {
+        let pattern = args.error_contains.as_deref().map(like_literal);
+        let what = super::outbox::Requeue {
+            id: args.id,
+            event_type: args.event_type.as_deref(),
+            error_like: pattern.as_deref(),
+            limit: args.limit,
+            yes: args.yes,
+            batch_size: args.batch_size,
+            dry_run: args.dry_run,
+            actor: args.actor.name(),
+            json: args.output.json,
+        };
+        return super::outbox::requeue(client, &what).await;
+    }
     match (&args.event_id, args.all) {
         (Some(event_id), false) => requeue_one(client, args, event_id).await,
         (None, true) => requeue_all(client, args).await,

@@ -1,11 +1,13 @@
 //! `stats`: the queue's health — unprocessed rows split into ready, leased, waiting for a retry
 //! and parked, the oldest unprocessed age, what was processed in the last hour — in total and
 //! per event type, with the rows of types no live worker claims (`no_handler`); the live workers
-//! and what each claims; and the rows each signing secret verified, per endpoint (for secret
-//! rolls).
+//! and what each claims; the rows each signing secret verified, per endpoint (for secret
+//! rolls); and the outbox — rows pending delivery, the oldest pending age, parked rows and the
+//! aggregates they hold back.
 
 use clap::Args as ClapArgs;
-use inbox_domain::inbox::store::admin;
+use inbox_domain::inbox::store::{admin, outbox};
+use serde::Serialize;
 
 use super::db_error;
 use super::output::{emit, emit_json, format_age, OutputArgs, Table};
@@ -20,8 +22,15 @@ pub struct Args {
 /// `stats`.
 pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Args) -> anyhow::Result<()> {
     let stats = admin::stats(client).await.map_err(db_error("reading the queue statistics"))?;
+    let outbox = outbox::stats(client).await.map_err(db_error("reading the outbox statistics"))?;
     if args.output.json {
-        return emit_json(&stats);
+        #[derive(Serialize)]
+        struct Report<'a> {
+            #[serde(flatten)]
+            inbox: &'a admin::Stats,
+            outbox: &'a outbox::OutboxStats,
+        }
+        return emit_json(&Report { inbox: &stats, outbox: &outbox });
     }
     let mut summary = Table::new(&[("queue", false), ("rows", true)]);
     let oldest = stats.oldest_unprocessed_age_seconds.map_or_else(|| "-".to_owned(), format_age);
@@ -102,5 +111,18 @@ pub async fn run(client: &(impl tokio_postgres::GenericClient + Sync), args: &Ar
         }
         text.push_str(&by_secret.render());
     }
+    // What the relays deliver: a parked row holds back the later rows of its aggregate.
+    text.push('\n');
+    let mut table = Table::new(&[("outbox", false), ("rows", true)]);
+    for (name, value) in [
+        ("pending (to deliver)", outbox.pending.to_string()),
+        ("  held behind a parked row", outbox.blocked_rows.to_string()),
+        ("parked (needs-review --outbox)", outbox.parked.to_string()),
+        ("blocked aggregates", outbox.blocked_aggregates.to_string()),
+        ("oldest_pending_age", outbox.oldest_pending_age_seconds.map_or_else(|| "-".to_owned(), format_age)),
+    ] {
+        table.push(vec![name.to_owned(), value]);
+    }
+    text.push_str(&table.render());
     emit(&text)
 }
