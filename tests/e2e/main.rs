@@ -19,6 +19,8 @@ mod migrate;
 mod operator;
 mod pgbouncer;
 mod regressions;
+mod relay;
+mod relay_nats;
 mod roles;
 mod stripe_shapes;
 mod tls;

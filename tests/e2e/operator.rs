@@ -264,7 +264,9 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
         empty,
         json!({"unprocessed": 0, "ready": 0, "leased": 0, "retry_wait": 0, "needs_review": 0,
                "oldest_unprocessed_age_seconds": null, "processed_last_hour": 0, "no_handler": 0,
-               "by_event_type": [], "by_secret": [], "workers": []})
+               "by_event_type": [], "by_secret": [], "workers": [],
+               "outbox": {"pending": 0, "parked": 0, "oldest_pending_age_seconds": null,
+                          "blocked_aggregates": 0, "blocked_rows": 0}})
     );
 
     seed(
@@ -297,6 +299,7 @@ async fn stats_counts_every_state_as_json_and_as_a_table() {
             "needs_review",
             "no_handler",
             "oldest_unprocessed_age_seconds",
+            "outbox",
             "processed_last_hour",
             "ready",
             "retry_wait",
@@ -865,7 +868,8 @@ async fn purge_deletes_in_batches_and_never_touches_unprocessed_rows() {
     assert_eq!(
         run.end(),
         Some(
-            &json!({"provider": "stripe", "run": run.id, "outcome": "completed", "deleted": 5, "batches": 3})
+            &json!({"provider": "stripe", "run": run.id, "outcome": "completed", "deleted": 5, "batches": 3,
+                    "outbox_deleted": 0})
         )
     );
 

@@ -7,7 +7,8 @@ use std::time::Duration;
 use inbox_domain::handler::Registry;
 use inbox_test_support::db::{admin_url, scalar, url_with_dbname};
 use inbox_test_support::events::invoice_paid;
-use inbox_test_support::process::{command, run};
+use inbox_test_support::process::{command, run, Proc};
+use inbox_test_support::receiver::Receiver;
 use inbox_test_support::worker::{eventually, spawn_worker};
 use inbox_test_support::{spawn_app_with, TestDb};
 use tokio_postgres::error::SqlState;
@@ -79,6 +80,33 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
     .await;
     forbidden(db, "inbox_worker", "DROP TABLE invoices").await;
 
+    // The relay, as inbox_relay, delivers the outbox row the handler wrote and marks it; it may
+    // not write outbox rows, rewrite what a handler wrote, or read anything but the outbox.
+    let receiver = Receiver::start(false).await;
+    let mut relay = command("inbox-worker");
+    relay
+        .env("DATABASE_URL", url_as(db, "inbox_relay"))
+        .env("INBOX_RELAY_SECRET", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+        .args(["relay", "--to-url", &receiver.url, "--poll-interval", "100ms"]);
+    let relay = tokio::task::spawn_blocking(move || Proc::spawn(relay)).await.unwrap();
+    let delivered = eventually(Duration::from_secs(15), || async {
+        scalar(&admin, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 1
+    })
+    .await;
+    assert!(delivered, "the relay delivered the outbox row as inbox_relay: {}", relay.output());
+    assert_eq!(receiver.accepted().len(), 1);
+    drop(relay);
+    forbidden(db, "inbox_relay", "SELECT payload FROM webhook_inbox").await;
+    forbidden(db, "inbox_relay", "SELECT * FROM invoices").await;
+    forbidden(db, "inbox_relay", "DELETE FROM outbox").await;
+    forbidden(db, "inbox_relay", "UPDATE outbox SET payload = '{}'").await;
+    forbidden(
+        db,
+        "inbox_relay",
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', 'b', 'c', '{}')",
+    )
+    .await;
+
     // Operators, as inbox_operator: commands work, the audit trail is insert-only and says who.
     let (code, output) = operator(db, &["replay", "--event-id", "evt_roles", "--actor", "alice"]).await;
     assert_eq!(code, 0, "{output}");
@@ -113,6 +141,17 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
     assert_eq!(ready, 0);
     forbidden(db, "inbox_metrics", "SELECT payload FROM webhook_inbox").await;
     forbidden(db, "inbox_metrics", "UPDATE webhook_inbox SET attempts = 0").await;
+    let pending: i64 = metrics
+        .query_one(
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND parked_at IS NULL AND available_at <= now()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(pending, 0, "the relay's KEDA count");
+    forbidden(db, "inbox_metrics", "SELECT payload FROM outbox").await;
+    forbidden(db, "inbox_metrics", "SELECT last_error FROM outbox").await;
 
     // The owner migrates.
     let mut migrate = command("inbox-worker");
@@ -145,7 +184,9 @@ async fn every_component_role_has_a_pinned_search_path_that_a_schema_named_after
         )
         .await
         .unwrap();
-    for role in ["inbox_owner", "inbox_ingest", "inbox_worker", "inbox_operator", "inbox_metrics"] {
+    for role in
+        ["inbox_owner", "inbox_ingest", "inbox_worker", "inbox_relay", "inbox_operator", "inbox_metrics"]
+    {
         let client = inbox_test_support::db::connect(&config_as(&db, role)).await;
         let path: String = client.query_one("SHOW search_path", &[]).await.unwrap().get(0);
         assert_eq!(path, "public, pg_temp", "{role}");

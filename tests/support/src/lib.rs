@@ -3,7 +3,8 @@
 //! blocks ([`worker`]), the built binaries as processes ([`process`]), realistic signed events
 //! ([`events`]), a TCP proxy that can refuse or swallow database connections ([`proxy`]), a
 //! PostgreSQL cluster that takes TLS connections only ([`tls`]) and a PgBouncer in transaction
-//! mode ([`pgbouncer`]).
+//! mode ([`pgbouncer`]), an HTTP receiver for the relay ([`receiver`]) and nats-server with
+//! JetStream, single or clustered ([`nats`]).
 //!
 //! Every test needs `DATABASE_URL` pointing at a PostgreSQL where it may create databases
 //! (`make test` starts a local one and sets it).
@@ -11,9 +12,11 @@
 pub mod app;
 pub mod db;
 pub mod events;
+pub mod nats;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
+pub mod receiver;
 pub mod stripe_fixtures;
 pub mod tls;
 pub mod worker;

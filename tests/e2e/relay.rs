@@ -1,0 +1,372 @@
+//! `inbox-worker relay` to an HTTP receiver, as processes: what the handlers commit reaches the
+//! receiver signed as Standard Webhooks define (checked with the reference library, not our own
+//! code), once per claim, marked published; a relay that lost its lease never marks a row another
+//! relay delivered; an aggregate's rows arrive in id order and a parked row holds back only its
+//! own aggregate; the receiver's Retry-After and 410 are honoured; configuration mistakes are
+//! refused at start without echoing a secret.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use base64::Engine as _;
+use inbox_test_support::db::scalar;
+use inbox_test_support::events::invoice_paid;
+use inbox_test_support::process::{command, run, Proc};
+use inbox_test_support::receiver::{Receiver, Reply};
+use inbox_test_support::worker::{eventually, store_event};
+use inbox_test_support::TestDb;
+use serde_json::Value;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A Standard Webhooks secret: whsec_ and the base64 of 32 bytes.
+fn secret(byte: u8) -> String {
+    format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode([byte; 32]))
+}
+
+/// `inbox-worker relay --to-url <receiver>` on `db`, signing with `secret`, polling every 100 ms.
+fn relay(db: &TestDb, url: &str, secret: &str, flags: &[&str]) -> std::process::Command {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url())
+        .env("INBOX_RELAY_SECRET", secret)
+        .args(["relay", "--to-url", url, "--poll-interval", "100ms"])
+        .args(flags);
+    cmd
+}
+
+pub(crate) async fn start(cmd: std::process::Command) -> Proc {
+    tokio::task::spawn_blocking(move || {
+        let proc = Proc::spawn(cmd);
+        proc.wait_for_line("inbox-relay running", TIMEOUT);
+        proc
+    })
+    .await
+    .unwrap()
+}
+
+/// An outbox row as a handler writes it; returns its id.
+pub(crate) async fn write_outbox(
+    client: &tokio_postgres::Client,
+    aggregate_id: &str,
+    event_type: &str,
+    n: i64,
+) -> i64 {
+    client
+        .query_one(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('Invoice', $1, $2, jsonb_build_object('invoice_id', $1::text, 'n', $3::int8))
+             RETURNING id",
+            &[&aggregate_id, &event_type, &n],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn unpublished(client: &tokio_postgres::Client) -> i64 {
+    scalar(client, "SELECT count(*) FROM outbox WHERE published_at IS NULL").await
+}
+
+/// The deliveries verified with the Standard Webhooks reference library (PyPI `standardwebhooks`,
+/// installed by scripts/ci-deps.sh into target/python-deps): (verified, failed). None, saying so,
+/// where it is not installed.
+fn verify_with_reference_library(deliveries: &[Value], secret: &str) -> Option<(u64, u64)> {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let deps = format!("{root}/target/python-deps");
+    if !std::path::Path::new(&deps).join("standardwebhooks").is_dir() {
+        eprintln!(
+            "skipped the reference verification: standardwebhooks is not installed (scripts/ci-deps.sh)"
+        );
+        return None;
+    }
+    let mut child = std::process::Command::new("python3")
+        .arg(format!("{root}/tests/fixtures/verify_standard_webhooks.py"))
+        .arg(secret)
+        .env("PYTHONPATH", deps)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    serde_json::to_writer(child.stdin.take().unwrap(), deliveries).unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stdout));
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap();
+    Some((report["verified"].as_u64().unwrap(), report["failed"].as_u64().unwrap()))
+}
+
+#[tokio::test]
+async fn what_the_handlers_commit_reaches_the_receiver_signed_and_is_marked_published() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let receiver = Receiver::start(false).await;
+    for i in 0..20 {
+        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100 + i))
+            .await;
+    }
+    let mut worker = command("inbox-worker");
+    worker.env("DATABASE_URL", db.url()).args(["run", "--poll-interval", "100ms"]);
+    let worker = tokio::task::spawn_blocking(move || Proc::spawn(worker)).await.unwrap();
+    let (old, new) = (secret(1), secret(2));
+    let relay = start(relay(&db, &receiver.url, &format!("{new},{old}"), &[])).await;
+
+    let all_published = eventually(TIMEOUT, || async {
+        scalar(&client, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 20
+    })
+    .await;
+    assert!(all_published, "{}\n{}", worker.output(), relay.output());
+    let accepted = receiver.accepted();
+    assert_eq!(accepted.len(), 20, "each row once: {accepted:?}");
+
+    // Each delivery is its row: the id, the payload, the event, the first claim's token.
+    let rows = client
+        .query("SELECT id, aggregate_id, event_type, payload::text, fencing_token, attempts FROM outbox", &[])
+        .await
+        .unwrap();
+    let by_id: HashMap<String, _> = accepted.iter().map(|d| (d.id.clone(), d)).collect();
+    for row in &rows {
+        let id: i64 = row.get(0);
+        let delivery = by_id.get(&id.to_string()).unwrap_or_else(|| panic!("row {id} not delivered"));
+        let sent: Value = serde_json::from_slice(&delivery.body).unwrap();
+        let stored: Value = serde_json::from_str(row.get::<_, &str>(3)).unwrap();
+        assert_eq!(sent, stored);
+        assert_eq!(sent["currency"], "jpy", "the booking says its currency: {sent}");
+        assert_eq!((delivery.event_type.as_str(), delivery.aggregate_type.as_str()), (row.get(2), "Invoice"));
+        assert_eq!(delivery.aggregate_id, row.get::<_, String>(1));
+        assert_eq!((delivery.fencing_token, row.get::<_, i64>(4), row.get::<_, i32>(5)), (1, 1, 1));
+        assert_eq!(delivery.signature.split(' ').count(), 2, "one signature per secret of the rotation");
+    }
+
+    // The reference library verifies every delivery with either secret of the rotation, and none
+    // with a secret the relay does not have.
+    let documents: Vec<Value> = accepted.iter().map(|d| d.to_json()).collect();
+    if let Some(verified) = verify_with_reference_library(&documents, &old) {
+        assert_eq!(verified, (20, 0));
+        assert_eq!(verify_with_reference_library(&documents, &new), Some((20, 0)));
+        assert_eq!(verify_with_reference_library(&documents, &secret(3)), Some((0, 20)));
+    }
+    drop((worker, relay));
+}
+
+/// A relay frozen (SIGSTOP) after the receiver got its request and before it could mark the row
+/// loses its lease; a second relay claims the row (the next fencing token), delivers and marks it.
+/// Resumed, the first relay's mark — or its failure record — is fenced out: the row stays as the
+/// second relay left it.
+#[tokio::test]
+async fn a_relay_that_lost_its_lease_never_marks_or_fails_the_row_another_relay_delivered() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let receiver = Receiver::start(false).await;
+    // The first request is answered after 1.5 s: time to freeze its relay with the answer pending.
+    receiver.script(|_, before| Reply {
+        delay: if before == 0 { Duration::from_millis(1500) } else { Duration::ZERO },
+        ..Reply::ok()
+    });
+    let id = write_outbox(&client, "in_fenced", "InvoicePaymentBooked", 1).await;
+    let flags = ["--lease", "2s", "--delivery-timeout", "1s"];
+    let key = secret(1);
+    let first = start(relay(&db, &receiver.url, &key, &flags)).await;
+    assert!(receiver.wait_for(1, TIMEOUT).await, "{}", first.output());
+    first.signal(libc::SIGSTOP);
+
+    // Past the first lease: the second relay takes the row with the next token.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let second = start(relay(&db, &receiver.url, &key, &flags)).await;
+    let published = eventually(TIMEOUT, || async {
+        scalar(&client, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 1
+    })
+    .await;
+    assert!(published, "{}", second.output());
+    first.signal(libc::SIGCONT);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let row = client
+        .query_one(
+            "SELECT attempts, fencing_token, last_error, published_at IS NOT NULL FROM outbox WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 2, "two claims");
+    assert_eq!(row.get::<_, i64>(1), 2, "the second claim's token");
+    assert_eq!(row.get::<_, Option<String>>(2), None, "the first relay's late outcome was fenced out");
+    assert!(row.get::<_, bool>(3));
+    let tokens: Vec<i64> = receiver.deliveries().iter().map(|d| d.fencing_token).collect();
+    assert_eq!(tokens, [1, 2], "each claim delivered once, with its own token");
+    let first_output = first.output();
+    assert!(
+        first_output.contains("\"outcome\":\"superseded\"") || first_output.contains("\"recorded\":false"),
+        "the first relay says its outcome was not recorded:\n{first_output}"
+    );
+    drop((first, second));
+}
+
+#[tokio::test]
+async fn an_aggregates_rows_arrive_in_order_and_a_parked_row_holds_back_only_its_own_aggregate() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let receiver = Receiver::start(false).await;
+    let refuse = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let refusing = refuse.clone();
+    // The first row of aggregate A is refused with 500 while `refuse` holds.
+    receiver.script(move |d, _| {
+        let n = serde_json::from_slice::<Value>(&d.body).ok().and_then(|b| b["n"].as_i64());
+        if d.aggregate_id == "in_A" && n == Some(1) && refusing.load(std::sync::atomic::Ordering::SeqCst) {
+            Reply::status(500)
+        } else {
+            Reply::ok()
+        }
+    });
+    let mut ids = Vec::new();
+    for (aggregate, n) in [("in_A", 1), ("in_B", 1), ("in_A", 2), ("in_B", 2), ("in_A", 3), ("in_B", 3)] {
+        ids.push(write_outbox(&client, aggregate, "InvoiceChanged", n).await);
+    }
+    let flags = ["--max-attempts", "2", "--backoff", "100ms", "--max-backoff", "200ms"];
+    let relay = start(relay(&db, &receiver.url, &secret(1), &flags)).await;
+
+    // B's rows arrive, in order; A's first row parks after two attempts and A's others wait.
+    let parked = eventually(TIMEOUT, || async {
+        scalar(&client, "SELECT count(*) FROM outbox WHERE parked_at IS NOT NULL").await == 1
+            && scalar(&client, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 3
+    })
+    .await;
+    assert!(parked, "{}", relay.output());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let order = |aggregate: &str| -> Vec<i64> {
+        receiver
+            .accepted()
+            .iter()
+            .filter(|d| d.aggregate_id == aggregate)
+            .map(|d| d.id.parse().unwrap())
+            .collect()
+    };
+    assert_eq!(order("in_B"), [ids[1], ids[3], ids[5]]);
+    assert_eq!(order("in_A"), Vec::<i64>::new(), "nothing of A passes its parked first row");
+    let a_attempts: Vec<i64> = receiver
+        .deliveries()
+        .iter()
+        .filter(|d| d.aggregate_id == "in_A")
+        .map(|d| d.id.parse().unwrap())
+        .collect();
+    assert_eq!(a_attempts, [ids[0], ids[0]], "A's later rows were never sent");
+
+    // stats and needs-review --outbox say which row blocks which aggregate.
+    let stats = json(&db, &["stats", "--json"]).await;
+    assert_eq!(stats["outbox"]["parked"], 1, "{stats}");
+    assert_eq!(stats["outbox"]["blocked_aggregates"], 1, "{stats}");
+    assert_eq!(stats["outbox"]["blocked_rows"], 2, "{stats}");
+    let review = json(&db, &["needs-review", "--outbox", "--json"]).await;
+    assert_eq!(review["count"], 1, "{review}");
+    let parked_row = &review["rows"][0];
+    assert_eq!((parked_row["id"].as_i64(), parked_row["held_behind"].as_i64()), (Some(ids[0]), Some(2)));
+    assert!(parked_row["last_error"].as_str().unwrap().contains("500"), "{parked_row}");
+
+    // Requeued once the receiver takes it: A's rows follow in order.
+    refuse.store(false, std::sync::atomic::Ordering::SeqCst);
+    let report = json(&db, &["requeue", "--outbox", "--id", &ids[0].to_string(), "--json"]).await;
+    assert_eq!(report["requeued"], 1, "{report}");
+    let done = eventually(TIMEOUT, || async { unpublished(&client).await == 0 }).await;
+    assert!(done, "{}", relay.output());
+    assert_eq!(order("in_A"), [ids[0], ids[2], ids[4]]);
+    let audit = scalar(&client, "SELECT count(*) FROM operator_audit WHERE action = 'requeue-outbox'").await;
+    assert_eq!(audit, 1);
+    drop(relay);
+}
+
+#[tokio::test]
+async fn retry_after_is_honoured_and_410_parks_the_row_at_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let receiver = Receiver::start(false).await;
+    receiver.script(|d, before| match (d.aggregate_id.as_str(), before) {
+        ("in_busy", 0) => Reply { retry_after: Some("3".into()), ..Reply::status(429) },
+        ("in_gone", _) => Reply::status(410),
+        _ => Reply::ok(),
+    });
+    let busy = write_outbox(&client, "in_busy", "InvoiceChanged", 1).await;
+    let gone = write_outbox(&client, "in_gone", "InvoiceChanged", 1).await;
+    let relay = start(relay(&db, &receiver.url, &secret(1), &["--backoff", "100ms"])).await;
+
+    let settled = eventually(TIMEOUT, || async {
+        scalar(&client, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL OR parked_at IS NOT NULL")
+            .await
+            == 2
+    })
+    .await;
+    assert!(settled, "{}", relay.output());
+    let busy_attempts: Vec<_> =
+        receiver.deliveries().into_iter().filter(|d| d.aggregate_id == "in_busy").collect();
+    assert_eq!(busy_attempts.len(), 2, "{busy_attempts:?}");
+    let waited = busy_attempts[1].at - busy_attempts[0].at;
+    assert!(
+        waited >= Duration::from_millis(2900),
+        "Retry-After: 3 honoured over a 100ms backoff: {waited:?}"
+    );
+    let row = client
+        .query_one("SELECT attempts, parked_at IS NOT NULL, last_error FROM outbox WHERE id = $1", &[&gone])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i32>(0), row.get::<_, bool>(1)), (1, true), "410: parked at the first attempt");
+    assert!(row.get::<_, String>(2).contains("410"), "{:?}", row.get::<_, String>(2));
+    assert_eq!(
+        scalar(
+            &client,
+            &format!("SELECT count(*) FROM outbox WHERE id = {busy} AND published_at IS NOT NULL")
+        )
+        .await,
+        1
+    );
+    drop(relay);
+}
+
+#[tokio::test]
+async fn relay_configuration_mistakes_are_refused_at_start_naming_the_fix_never_the_secret() {
+    let db = TestDb::new().await;
+    let url = "http://127.0.0.1:9/hooks";
+    // (environment, arguments, what the refusal must say)
+    type Case<'a> = (Vec<(&'a str, String)>, Vec<&'a str>, &'a str);
+    let cases: Vec<Case> = vec![
+        (vec![], vec!["relay", "--to-url", url], "needs a signing secret"),
+        (
+            vec![("INBOX_RELAY_SECRET", "sk_live_hunter2hunter2".into())],
+            vec!["relay", "--to-url", url],
+            "whsec_",
+        ),
+        (
+            vec![("INBOX_RELAY_SECRET", "whsec_hunter2!!".into())],
+            vec!["relay", "--to-url", url],
+            "not base64",
+        ),
+        (
+            vec![("INBOX_RELAY_SECRET", secret(1))],
+            vec!["relay", "--to-url", url, "--delivery-timeout", "2m", "--lease", "2m"],
+            "at most half of --lease",
+        ),
+        (vec![], vec!["relay", "--to-nats", "nats://127.0.0.1:9"], "--subject"),
+        (
+            vec![("INBOX_RELAY_SECRET", secret(1))],
+            vec!["relay", "--to-url", "ftp://x/hooks"],
+            "http:// or https://",
+        ),
+    ];
+    for (env, args, expected) in cases {
+        let mut cmd = command("inbox-worker");
+        cmd.env("DATABASE_URL", db.url()).args(&args);
+        for (k, v) in &env {
+            cmd.env(k, v);
+        }
+        let (code, output) = tokio::task::spawn_blocking(move || run(cmd, TIMEOUT)).await.unwrap();
+        assert_ne!(code, 0, "{args:?}: {output}");
+        assert!(output.contains(expected), "{args:?}: expected {expected:?} in:\n{output}");
+        assert!(!output.contains("hunter2"), "a secret echoed: {output}");
+    }
+}
+
+/// Runs an inbox-worker command that must succeed and parses its stdout.
+async fn json(db: &TestDb, args: &[&str]) -> Value {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).env("USER", "tester").args(args);
+    let output = tokio::task::spawn_blocking(move || cmd.output()).await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{args:?}: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
