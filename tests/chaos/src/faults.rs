@@ -26,6 +26,15 @@
 //!   otherwise skipped, saying why. (PostgreSQL cannot put WAL in a tablespace: a small tablespace
 //!   would fill up with table data, not WAL.)
 //!
+//! - `relay_sigkill`: a relay (HTTP or NATS) dies between any two steps — after a claim, during a
+//!   delivery, before its mark; its slot starts it again. Its rows come back after their lease.
+//! - `relay_sigstop`: a relay is frozen (SIGSTOP) for longer than its lease (6 s), so another
+//!   relay claims its rows with the next fencing token, then resumed (SIGCONT): its marks and
+//!   failure records are fenced out, and a delivery it sends late carries a stale token, which
+//!   the receiver refuses.
+//! - `nats_restart`: the nats-server is SIGKILLed and started again on its port and store after
+//!   1–3 s; publishes in flight get no ack and are retried (`Nats-Msg-Id` dedupes them).
+//!
 //! `pool_exhausted` and `wal_disk_full` hit the whole server: they run only against the run's own
 //! cluster (`--cluster own`), like the restarts, which otherwise run only against the cluster of
 //! `scripts/pg.sh`.
@@ -55,19 +64,25 @@ pub enum Kind {
     WalDiskFull,
     PgRestartFast,
     PgRestartImmediate,
+    RelaySigkill,
+    RelaySigstop,
+    NatsRestart,
 }
 
 /// Every kind, in the order of the first round. The xmin pin goes first, so that it spans the
 /// faults that follow.
-pub const KINDS: [Kind; 9] = [
+pub const KINDS: [Kind; 12] = [
     Kind::XminPinned,
+    Kind::RelaySigstop,
     Kind::WorkerSigkill,
+    Kind::RelaySigkill,
     Kind::BackendTerminated,
     Kind::PoolExhausted,
     Kind::ConnectionsBlocked,
     Kind::IngestRestart,
     Kind::WalDiskFull,
     Kind::PgRestartFast,
+    Kind::NatsRestart,
     Kind::PgRestartImmediate,
 ];
 
@@ -83,6 +98,9 @@ impl Kind {
             Kind::WalDiskFull => "wal_disk_full",
             Kind::PgRestartFast => "pg_restart_fast",
             Kind::PgRestartImmediate => "pg_restart_immediate",
+            Kind::RelaySigkill => "relay_sigkill",
+            Kind::RelaySigstop => "relay_sigstop",
+            Kind::NatsRestart => "nats_restart",
         }
     }
 
@@ -98,6 +116,9 @@ impl Kind {
             Kind::WalDiskFull => 6,
             Kind::PgRestartFast => 10,
             Kind::PgRestartImmediate => 10,
+            Kind::RelaySigkill => 20,
+            Kind::RelaySigstop => 8,
+            Kind::NatsRestart => 6,
         }
     }
 
@@ -159,6 +180,8 @@ pub struct Faults {
     pub errors: Mutex<Vec<String>>,
     pub pins: Mutex<Vec<Pin>>,
     pub started: Instant,
+    /// The run's nats-server (`nats_restart`), when there is one.
+    pub nats: Option<Arc<Mutex<inbox_test_support::nats::Nats>>>,
     pin_active: AtomicBool,
     pin_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -191,6 +214,7 @@ impl Faults {
             errors: Mutex::default(),
             pins: Mutex::default(),
             started,
+            nats: None,
             pin_active: AtomicBool::new(false),
             pin_task: Mutex::default(),
         }
@@ -240,13 +264,13 @@ impl Faults {
             let result = match kind {
                 Kind::WorkerSigkill => Ok(self
                     .supervisor
-                    .stop_random(Role::Worker, false, &mut rng)
+                    .stop_random(&[Role::Worker], false, &mut rng)
                     .map(|(slot, pid)| format!("SIGKILL {slot} (pid {pid}); restarted after ~1 s"))),
                 Kind::IngestRestart => {
                     // Alternate between a crash (SIGKILL) and a graceful stop (SIGTERM).
                     ingest_graceful = !ingest_graceful;
                     let graceful = !ingest_graceful;
-                    Ok(self.supervisor.stop_random(Role::Ingest, graceful, &mut rng).map(|(slot, pid)| {
+                    Ok(self.supervisor.stop_random(&[Role::Ingest], graceful, &mut rng).map(|(slot, pid)| {
                         let how = if graceful { "SIGTERM" } else { "SIGKILL" };
                         format!("{how} {slot} (pid {pid}); restarted on the same port after ~1 s")
                     }))
@@ -258,6 +282,12 @@ impl Faults {
                 Kind::XminPinned => self.pin_xmin(stop.clone()).await.map(Some),
                 Kind::PoolExhausted => self.exhaust_pool(&mut rng).await.map(Some),
                 Kind::WalDiskFull => self.fill_wal_disk(&mut rng).await.map(Some),
+                Kind::RelaySigkill => Ok(self
+                    .supervisor
+                    .stop_random(&[Role::RelayHttp, Role::RelayNats], false, &mut rng)
+                    .map(|(slot, pid)| format!("SIGKILL {slot} (pid {pid}); restarted after ~1 s"))),
+                Kind::RelaySigstop => self.freeze_relay(&mut rng).await,
+                Kind::NatsRestart => self.restart_nats(&mut rng).await.map(Some),
             };
             match result {
                 Ok(Some(detail)) => {
@@ -374,6 +404,29 @@ impl Faults {
         tokio::time::sleep(hold).await;
         allow_connections(&self.admin, &self.database).await?;
         Ok(format!("new connections to {} refused for {:.1} s", self.database, hold.as_secs_f64()))
+    }
+
+    /// SIGSTOP a relay for 8–10 s (past its 6 s lease), then SIGCONT.
+    async fn freeze_relay(&self, rng: &mut Rng) -> anyhow::Result<Option<String>> {
+        let Some((slot, pid)) = self.supervisor.pick_running(&[Role::RelayHttp, Role::RelayNats], rng) else {
+            return Ok(None);
+        };
+        let hold = Duration::from_secs_f64(rng.range(8.0, 10.0));
+        inbox_test_support::process::kill(pid as i32, libc::SIGSTOP);
+        tokio::time::sleep(hold).await;
+        inbox_test_support::process::kill(pid as i32, libc::SIGCONT);
+        Ok(Some(format!("SIGSTOP {slot} (pid {pid}) for {:.1} s, then SIGCONT", hold.as_secs_f64())))
+    }
+
+    /// SIGKILL the nats-server, start it again on its port and store after 1–3 s.
+    async fn restart_nats(&self, rng: &mut Rng) -> anyhow::Result<String> {
+        let nats = self.nats.clone().ok_or_else(|| anyhow::anyhow!("no nats-server"))?;
+        let down = Duration::from_secs_f64(rng.range(1.0, 3.0));
+        let n = nats.clone();
+        tokio::task::spawn_blocking(move || n.lock().unwrap().kill(0)).await?;
+        tokio::time::sleep(down).await;
+        tokio::task::spawn_blocking(move || nats.lock().unwrap().start_node(0)).await?;
+        Ok(format!("nats-server SIGKILLed, started again after {:.1} s", down.as_secs_f64()))
     }
 
     /// The server restarts (`pg_ctl restart -m <mode>`; `scripts/pg.sh restart <mode>` for its

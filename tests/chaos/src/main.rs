@@ -11,12 +11,15 @@
 //! of its own, `inbox_chaos_<pid>`, dropped at the end unless `--keep`; the faults that hit the
 //! whole server are then skipped, and restarts run only on the cluster of `scripts/pg.sh`.
 //!
-//! Starts two `inbox-ingest` and three `inbox-worker run` from `target/debug` (or
-//! `$INBOX_BIN_DIR`), a load generator and a fault injector (`faults.rs` lists the faults: process
-//! kills, terminated backends, blocked connections, restarts, an xmin pinned by a session idle in
-//! transaction, the server's connections exhausted by another client, the WAL's disk full); after
+//! Starts two `inbox-ingest`, three `inbox-worker run` and four `inbox-worker relay` (two to an
+//! HTTP receiver, two to NATS JetStream: `relay.rs`) from `target/debug` (or `$INBOX_BIN_DIR`), a
+//! load generator and a fault injector (`faults.rs` lists the faults: process kills and freezes,
+//! terminated backends, blocked connections, restarts of PostgreSQL and of nats-server, an xmin
+//! pinned by a session idle in transaction, the server's connections exhausted by another client,
+//! the WAL's disk full); after
 //! `--duration` it stops the faults, lets the senders finish their retries, waits for the queue to
-//! drain and checks the database. Prints a report and writes it to `target/chaos/report.json`:
+//! drain and for the relays to deliver the outbox, and checks the database and both
+//! destinations. Prints a report and writes it to `target/chaos/report.json`:
 //! besides the checks, how often each fault ran (and why one was skipped), webhook_inbox's dead
 //! tuples and size before, during and after, and what the server's log says (PANICs, refusals).
 //! Exits 0 only when nothing was lost, doubled, stuck or parked and every fault kind that can run
@@ -29,6 +32,7 @@ mod cluster;
 mod faults;
 mod load;
 mod procs;
+mod relay;
 mod rng;
 
 use std::path::{Path, PathBuf};
@@ -44,7 +48,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cluster::Cluster;
 use crate::faults::{Faults, Kind, Server, KINDS};
 use crate::load::Load;
-use crate::procs::{Spec, Supervisor};
+use crate::procs::{RelaySpec, Spec, Supervisor};
 use crate::rng::Rng;
 
 /// Chaos run of stripe-inbox: Stripe-like load, faults, then a check of every acknowledged event.
@@ -97,8 +101,9 @@ struct Args {
     #[arg(long)]
     out_dir: Option<PathBuf>,
     /// Self-test of the checks: after the drain, delete one acknowledged row, add a second outbox
-    /// row for one payment, un-process one row and park another; the run must then FAIL with lost,
-    /// doubled, stuck and parked at 1.
+    /// row for one payment (marked published: no relay delivers it), un-process one row and park
+    /// another; the run must then FAIL with lost, doubled, stuck and parked at 1, and one outbox
+    /// row lost for each relay destination.
     #[arg(long, hide = true)]
     sabotage: bool,
 }
@@ -295,10 +300,17 @@ async fn chaos(
             std::fs::read_to_string(root.join("deploy/roles.sql")).context("reading deploy/roles.sql")?;
         setup.batch_execute(&roles).await.context("applying deploy/roles.sql")?;
         setup.batch_execute(&format!("CREATE ROLE {HOG_ROLE} LOGIN")).await?;
+        setup.batch_execute(&relay::copy_sql(Some("inbox_relay"))).await.context("the outbox copy")?;
         (cluster.url("inbox_ingest", database), cluster.url("inbox_worker", database))
     } else {
+        setup.batch_execute(&relay::copy_sql(None)).await.context("the outbox copy")?;
         (database_url.to_owned(), database_url.to_owned())
     };
+    let relay_db_url = match &server {
+        Server::Own(cluster) => cluster.url("inbox_relay", database),
+        _ => database_url.to_owned(),
+    };
+    let destinations = relay::start(seed).await.context("starting the relays' destinations")?;
     drop(setup);
     let before = check::table_stats(db_config, true).await.context("webhook_inbox's statistics")?;
 
@@ -310,6 +322,15 @@ async fn chaos(
             endpoints: format!("billing={SECRET}"),
             max_attempts: args.max_attempts,
             log_dir: log_dir.to_owned(),
+            relay: Some(RelaySpec {
+                nats_db_url: relay::nats_db_url(&relay_db_url),
+                http_db_url: relay_db_url,
+                receiver_url: destinations.receiver.url.clone(),
+                secret: relay::SECRET.to_owned(),
+                nats_url: destinations.nats_url.clone(),
+                subject: relay::SUBJECT.to_owned(),
+                per_destination: 2,
+            }),
         },
         &ports,
         args.workers,
@@ -363,8 +384,11 @@ async fn chaos(
             disabled.push((Kind::WalDiskFull, why));
         }
     }
+    if let Some(why) = &destinations.nats_skipped {
+        disabled.push((Kind::NatsRestart, why.clone()));
+    }
     let xmin_hold = args.xmin_pin.unwrap_or_else(|| Duration::from_secs(60).min(args.duration / 3));
-    let faults = Arc::new(Faults::new(
+    let mut faults = Faults::new(
         admin.clone(),
         database.to_owned(),
         server,
@@ -374,7 +398,9 @@ async fn chaos(
         xmin_hold,
         HOG_ROLE.to_owned(),
         started,
-    ));
+    );
+    faults.nats = destinations.nats.clone();
+    let faults = Arc::new(faults);
     let stop_faults = CancellationToken::new();
     let _stop_faults = stop_faults.clone().drop_guard();
     // The first round (every kind once) fits in about half the run.
@@ -425,11 +451,24 @@ async fn chaos(
 
     println!("chaos: draining the queue (up to {})", humantime::format_duration(args.drain_timeout));
     let (drain_time, drained) = check::drain(db_config, args.drain_timeout).await;
+    println!(
+        "chaos: waiting for the relays to deliver the outbox (up to {})",
+        humantime::format_duration(args.drain_timeout)
+    );
+    let relays_drained = relay::drain(db_config, args.drain_timeout).await;
     let offered: Vec<_> = load.events.lock().unwrap().clone();
     if args.sabotage {
         sabotage(db_config, &offered).await.context("sabotaging")?;
     }
     let verdict = check::verify(db_config, &offered).await.context("checking the database")?;
+    let http = relay::verify_http(db_config, &destinations.receiver)
+        .await
+        .context("checking the HTTP deliveries")?;
+    let nats = match &destinations.nats_url {
+        Some(url) => Some(relay::verify_nats(db_config, url).await.context("checking the JetStream stream")?),
+        None => None,
+    };
+    let relays_ok = relays_drained && http.ok() && nats.as_ref().is_none_or(relay::Verdict::ok);
     stop_sampling.cancel();
     let peaks = sampling.await.unwrap_or_default();
 
@@ -461,7 +500,7 @@ async fn chaos(
     let fault_log: Vec<faults::Injected> = faults.log.lock().unwrap().clone();
     let unacked = load.unacknowledged();
     let duplicates_sent = s.redeliveries.load(Relaxed) + s.burst_extras.load(Relaxed);
-    let passed = verdict.ok() && missing_kinds.is_empty() && crashes.is_empty() && drained;
+    let passed = verdict.ok() && missing_kinds.is_empty() && crashes.is_empty() && drained && relays_ok;
     let fault_obj: serde_json::Map<String, serde_json::Value> =
         counts.iter().map(|(k, n)| (k.name().to_owned(), (*n).into())).collect();
     let statuses: serde_json::Map<String, serde_json::Value> =
@@ -492,7 +531,7 @@ async fn chaos(
                     Ok(m) => format!("tmpfs of {} MiB at {}", cluster::WAL_FS_MIB, m.display()),
                     Err(why) => format!("in the data directory: {why}"),
                 },
-                "service_roles": ["inbox_ingest", "inbox_worker"],
+                "service_roles": ["inbox_ingest", "inbox_worker", "inbox_relay"],
             }),
             Server::PgSh(_) => serde_json::json!({ "mode": "url", "server": "the cluster of scripts/pg.sh" }),
             Server::Foreign => serde_json::json!({ "mode": "url", "server": "DATABASE_URL's" }),
@@ -560,6 +599,13 @@ async fn chaos(
         "examples": {
             "lost": verdict.lost_examples, "doubled": verdict.doubled_examples, "stuck": verdict.stuck_examples,
             "parked": verdict.parked_examples, "unbooked": verdict.unbooked_examples,
+        },
+        "relay": {
+            "drained": relays_drained,
+            "http": http.json(),
+            "nats": nats.as_ref().map(relay::Verdict::json),
+            "nats_skipped": destinations.nats_skipped,
+            "note": "per destination: deliveries taken (HTTP 2xx, JetStream stored) against its outbox table; duplicates are allowed (at least once) and counted; an aggregate's rows must be first taken in id order; the receiver refuses attempts with a stale fencing token",
         },
         "missing_fault_kinds": missing_kinds,
         "logs": log_dir.display().to_string(),
@@ -664,6 +710,20 @@ async fn chaos(
         "acked payments / ledger / outbox",
         format!("{} / {} / {}", verdict.acked_payments, verdict.ledger_rows, verdict.outbox_rows),
     );
+    line("relay → HTTP receiver", http.describe());
+    match &nats {
+        Some(nats) => line("relay → NATS JetStream", nats.describe()),
+        None => line(
+            "relay → NATS JetStream",
+            format!("skipped: {}", destinations.nats_skipped.as_deref().unwrap_or("?")),
+        ),
+    }
+    for e in http.examples.iter().chain(nats.iter().flat_map(|n| n.examples.iter())) {
+        println!("  e.g. relay: {e}");
+    }
+    if !relays_drained {
+        line("relay", "outbox not drained in time".to_owned());
+    }
     line("LOST", verdict.lost.to_string());
     line("DOUBLED", verdict.doubled.to_string());
     line("stuck", format!("{}{}", verdict.stuck, if drained { "" } else { " (drain timed out)" }));
@@ -787,8 +847,8 @@ async fn sabotage(config: &tokio_postgres::Config, offered: &[Arc<load::Offered>
     client.execute("DELETE FROM webhook_inbox WHERE event_id = $1", &[&victims[0].id]).await?;
     client
         .execute(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-             VALUES ('Invoice', $1, 'InvoicePaymentBooked', '{}')",
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, published_at)
+             VALUES ('Invoice', $1, 'InvoicePaymentBooked', '{}', now())",
             &[&victims[1].invoice_id],
         )
         .await?;
@@ -807,7 +867,7 @@ async fn sabotage(config: &tokio_postgres::Config, offered: &[Arc<load::Offered>
         )
         .await?;
     println!(
-        "chaos: SABOTAGE: deleted {}, doubled the outbox row of {}, un-processed {}, parked {}: expect FAIL with lost 1, doubled 1, stuck 1, parked 1",
+        "chaos: SABOTAGE: deleted {}, doubled the outbox row of {} (marked published, never delivered), un-processed {}, parked {}: expect FAIL with lost 1, doubled 1, stuck 1, parked 1, and 1 outbox row lost per relay destination",
         victims[0].id, victims[1].invoice_id, victims[2].id, victims[3].id
     );
     Ok(())

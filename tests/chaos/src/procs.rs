@@ -1,4 +1,5 @@
-//! The service processes: two `inbox-ingest`, three `inbox-worker run`, each in a slot that is
+//! The service processes: two `inbox-ingest`, three `inbox-worker run`, two `inbox-worker relay`
+//! to the HTTP receiver and two to NATS JetStream, each in a slot that is
 //! restarted when its process is gone (killed by the fault injector, or refused to start because
 //! the database was away at that moment). Output goes to `target/chaos/logs/<slot>.log`.
 
@@ -15,6 +16,10 @@ use crate::rng::Rng;
 pub enum Role {
     Ingest,
     Worker,
+    /// `inbox-worker relay --to-url` the run's receiver.
+    RelayHttp,
+    /// `inbox-worker relay --to-nats` the run's nats-server.
+    RelayNats,
 }
 
 impl Role {
@@ -22,6 +27,8 @@ impl Role {
         match self {
             Role::Ingest => "ingest",
             Role::Worker => "worker",
+            Role::RelayHttp => "relay-http",
+            Role::RelayNats => "relay-nats",
         }
     }
 }
@@ -35,6 +42,23 @@ pub struct Spec {
     pub endpoints: String,
     pub max_attempts: u32,
     pub log_dir: PathBuf,
+    /// The relays: `DATABASE_URL` of the HTTP ones (the outbox) and of the NATS ones (its copy,
+    /// see relay.rs), the receiver's URL and signing secret, the nats-server's URL. No relay slot
+    /// for a destination that is None.
+    pub relay: Option<RelaySpec>,
+}
+
+/// How the relays are started.
+#[derive(Debug, Clone)]
+pub struct RelaySpec {
+    pub http_db_url: String,
+    pub nats_db_url: String,
+    pub receiver_url: String,
+    pub secret: String,
+    pub nats_url: Option<String>,
+    pub subject: String,
+    /// Relays per destination.
+    pub per_destination: usize,
 }
 
 struct Slot {
@@ -108,6 +132,14 @@ impl Supervisor {
         for i in 0..workers {
             add(Role::Worker, i, 0);
         }
+        if let Some(relay) = &spec.relay {
+            for i in 0..relay.per_destination {
+                add(Role::RelayHttp, i, 0);
+                if relay.nats_url.is_some() {
+                    add(Role::RelayNats, i, 0);
+                }
+            }
+        }
         Supervisor { spec, slots: Mutex::new(slots), exits: Mutex::default(), starts: Mutex::new(0) }
     }
 
@@ -137,7 +169,10 @@ impl Supervisor {
                             let tail = log_tail(&slot.log_path, slot.log_offset, 2048);
                             let refused = status.code() == Some(1)
                                 && (tail.contains("cannot connect to the database")
-                                    || tail.contains("the database does not answer"));
+                                    || tail.contains("the database does not answer")
+                                    // A relay starting while nats-server restarts.
+                                    || tail.contains("cannot connect to NATS")
+                                    || tail.contains("finding the JetStream stream"));
                             slot.failed_starts = if refused { slot.failed_starts + 1 } else { 0 };
                             let backoff = Duration::from_millis(500 << slot.failed_starts.min(3));
                             slot.restart_at = Some(now + backoff);
@@ -197,6 +232,39 @@ impl Supervisor {
                 .env("DATABASE_URL", &self.spec.worker_url);
                 cmd
             }
+            Role::RelayHttp | Role::RelayNats => {
+                let relay = self.spec.relay.as_ref().expect("relay slots only with a relay spec");
+                let mut cmd = inbox_test_support::process::command("inbox-worker");
+                // Short lease and retries, so that kills and stalls are retried within the run;
+                // attempts high, so that the receiver's errors park nothing.
+                cmd.args([
+                    "relay",
+                    "--lease",
+                    "6s",
+                    "--delivery-timeout",
+                    "2s",
+                    "--backoff",
+                    "200ms",
+                    "--max-backoff",
+                    "2s",
+                    "--max-attempts",
+                    "1000",
+                    "--poll-interval",
+                    "200ms",
+                    "--shutdown-timeout",
+                    "5s",
+                ]);
+                if slot.role == Role::RelayHttp {
+                    cmd.args(["--to-url", &relay.receiver_url])
+                        .env("INBOX_RELAY_SECRET", &relay.secret)
+                        .env("DATABASE_URL", &relay.http_db_url);
+                } else {
+                    cmd.args(["--to-nats", relay.nats_url.as_deref().unwrap_or_default()])
+                        .args(["--subject", &relay.subject])
+                        .env("DATABASE_URL", &relay.nats_db_url);
+                }
+                cmd
+            }
         };
         cmd.env("LOG_FORMAT", "json")
             .env("RUST_LOG", "warn")
@@ -214,14 +282,14 @@ impl Supervisor {
         Ok(())
     }
 
-    /// SIGKILLs (or SIGTERMs, when `graceful`) a random running process of `role`; the slot
-    /// restarts it about a second after it is gone. Returns the victim's name and pid.
-    pub fn stop_random(&self, role: Role, graceful: bool, rng: &mut Rng) -> Option<(String, u32)> {
+    /// SIGKILLs (or SIGTERMs, when `graceful`) a random running process of one of `roles`; the
+    /// slot restarts it about a second after it is gone. Returns the victim's name and pid.
+    pub fn stop_random(&self, roles: &[Role], graceful: bool, rng: &mut Rng) -> Option<(String, u32)> {
         let mut slots = self.slots.lock().unwrap();
         let candidates: Vec<usize> = slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.role == role && s.child.is_some() && !s.stopping)
+            .filter(|(_, s)| roles.contains(&s.role) && s.child.is_some() && !s.stopping)
             .map(|(i, _)| i)
             .collect();
         if candidates.is_empty() {
@@ -238,6 +306,18 @@ impl Supervisor {
             let _ = child.kill();
         }
         Some((slot_name(slot), pid))
+    }
+
+    /// The pid of a random running process of one of `roles`, left running (for SIGSTOP).
+    pub fn pick_running(&self, roles: &[Role], rng: &mut Rng) -> Option<(String, u32)> {
+        let slots = self.slots.lock().unwrap();
+        let candidates: Vec<&Slot> =
+            slots.iter().filter(|s| roles.contains(&s.role) && s.child.is_some() && !s.stopping).collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let slot = candidates[rng.below(candidates.len())];
+        Some((slot_name(slot), slot.child.as_ref()?.id()))
     }
 
     /// Whether every slot has a process that has been up for at least `min_uptime`.
