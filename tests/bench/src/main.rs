@@ -11,6 +11,9 @@
 //!          WAL bytes/event, dead tuples and sizes after the drain; then the same drain by 1
 //!          process started with no tuning flags (the worker's defaults), as a ratio to the
 //!          tuned 1-process rate;
+//!   relay  `--drain-rows` outbox rows delivered by 1 `inbox-worker relay` process with no tuning
+//!          flags, to an HTTP receiver in this process and to a nats-server with JetStream:
+//!          deliveries/s beside (c)'s default-flag worker rate, commits and WAL per row;
 //!   d      end to end at half of (b)'s 32-connection rate: receive-to-processed p50/p99;
 //!   e      peak RSS (VmHWM) of each binary in b, c, d;
 //!   mem    `--mem-rows` queued rows of ~1 MiB bodies drained by 1 worker process with no
@@ -36,6 +39,7 @@ mod mem;
 mod payload;
 mod pg;
 mod pgbench;
+mod relay;
 mod report;
 mod services;
 mod util;
@@ -54,6 +58,7 @@ pub enum Phase {
     A,
     B,
     C,
+    Relay,
     D,
     E,
     Mem,
@@ -68,7 +73,7 @@ pub struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
     /// Phases to run, comma-separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "a,b,c,d,e,mem,scale")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "a,b,c,relay,d,e,mem,scale")]
     phases: Vec<Phase>,
     /// Measured time of each pgbench run, ingest run and the end-to-end run.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -314,6 +319,19 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
             }
             Err(e) => note_err("c1-default".into(), e, ctx),
         }
+    }
+
+    if want(Phase::Relay) {
+        let mut relays = serde_json::Map::new();
+        for destination in [relay::Destination::Http, relay::Destination::Nats] {
+            match relay::run(ctx, destination).await {
+                Ok(v) => {
+                    relays.insert(destination.name().into(), v);
+                }
+                Err(e) => note_err(format!("relay-{}", destination.name()), e, ctx),
+            }
+        }
+        out.insert("relay".into(), serde_json::Value::Object(relays));
     }
 
     if want(Phase::D) {

@@ -252,6 +252,31 @@ impl Table {
             );
         }
 
+        // The relay at its defaults, beside the worker at its defaults in the same run.
+        let worker_default = get("drain_default")["events_per_s"].as_f64();
+        for (name, v) in get("relay").as_object().into_iter().flatten() {
+            let per_s = v["deliveries_per_s"].as_f64().unwrap_or(0.0);
+            let row = t.add(
+                format!("relay  {} outbox rows → {name}, 1 relay proc, default flags", v["rows"]),
+                format!("{per_s:.0} deliveries/s"),
+            );
+            if let Some(base) = worker_default {
+                row.ratio = Some((per_s / base, "c1-default".into()));
+                row.target = "≥ 1.00".into();
+                row.ok = Some(per_s / base >= 1.0);
+            }
+            t.add(
+                "     commits / row; WAL bytes / row; CPU µs per row: relay / postgres",
+                format!(
+                    "{}; {}; {} / {}",
+                    f(&v["commits_per_row"], 3),
+                    f(&v["wal_bytes_per_row"], 0),
+                    f(&v["cpu"]["relay_cpu_us_per_unit"], 0),
+                    f(&v["cpu"]["postgres_cpu_us_per_unit"], 0)
+                ),
+            );
+        }
+
         let e = get("e2e");
         if e.is_object() {
             let rp = &e["receive_to_processed"];

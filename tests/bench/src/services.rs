@@ -103,6 +103,14 @@ impl Bins {
         Proc::spawn(cmd)
     }
 
+    /// Starts `inbox-worker relay` with `args` (a destination, nothing else: its defaults) and
+    /// `env` (the signing secret).
+    pub fn start_relay(&self, database_url: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+        let mut cmd = self.command("inbox-worker", database_url);
+        cmd.arg("relay").args(args).envs(env.iter().copied());
+        Proc::spawn(cmd)
+    }
+
     /// The defaults `inbox-worker run` states in its `--help` for the tuning options
     /// (`--concurrency`, `--batch-size`, `--max-bytes-in-flight`), as written there (`null` for
     /// an option it does not have or states no default for). The command's environment is
