@@ -38,10 +38,14 @@ fn the_readme_the_handler_guide_and_the_examples_readme_name_every_subcommand() 
         let missing: Vec<&String> = subcommands.iter().filter(|name| !named(name)).collect();
         assert!(missing.is_empty(), "{doc} does not name {missing:?}");
     }
-    // The README's overview lists the operator commands in one line.
+    // The README's overview lists the operator commands in one line (the services, `run` and
+    // `relay`, have lines of their own in the diagram).
     let readme = read("README.md");
     let overview = readme.lines().find(|line| line.contains("operators ──")).expect("the overview's line");
-    for name in subcommands.iter().filter(|name| *name != "run") {
+    for service in ["inbox-worker run", "inbox-worker relay"] {
+        assert!(readme.contains(service), "the README's overview lacks {service}");
+    }
+    for name in subcommands.iter().filter(|name| !["run", "relay"].contains(&name.as_str())) {
         assert!(overview.contains(name.as_str()), "the overview lacks {name}: {overview}");
     }
 }
