@@ -906,3 +906,38 @@ async fn the_custom_worker_names_its_own_binary_when_it_starts_and_stops() {
         assert_eq!(line["program"], "custom-worker", "a log collector tells the fleets apart: {line}");
     }
 }
+
+/// `main_with` gives the team's binary the relay too: the outbox row the stock invoice handler
+/// writes for a payment (the example keeps those handlers) reaches an HTTP receiver, signed,
+/// and is marked published.
+#[tokio::test]
+async fn the_teams_binary_relays_what_its_handlers_write_to_the_outbox() {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &invoice_paid("evt_relayed", "in_relayed", 4200)).await;
+    let worker = start_worker(&db, &[]).await;
+    wait_all_processed(&client, &worker).await;
+
+    let receiver = inbox_test_support::receiver::Receiver::start(true).await;
+    let mut relay = custom_worker(&db, &["relay", "--to-url", &receiver.url, "--poll-interval", "100ms"]);
+    relay.env("INBOX_RELAY_SECRET", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
+    let relay = tokio::task::spawn_blocking(move || {
+        let proc = Proc::spawn(relay);
+        proc.wait_for_line("inbox-relay running", TIMEOUT);
+        proc
+    })
+    .await
+    .unwrap();
+    let published = eventually(TIMEOUT, || async {
+        scalar(&client, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 1
+    })
+    .await;
+    assert!(published, "{}", relay.output());
+    let accepted = receiver.accepted();
+    assert_eq!(accepted.len(), 1);
+    let body: Value = serde_json::from_slice(&accepted[0].body).unwrap();
+    assert_eq!(body["invoice_id"], "in_relayed", "{body}");
+    assert!(accepted[0].signature.starts_with("v1,"), "{}", accepted[0].signature);
+    stop_worker(worker).await;
+    drop(relay);
+}
