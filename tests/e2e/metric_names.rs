@@ -1,7 +1,9 @@
 //! The files in `deploy/` against the running code: every metric name that the alert rules
 //! (`deploy/prometheus/alerts.yaml`) and the dashboard (`deploy/grafana/dashboard.json`) use is
-//! exported by the built binaries (a renamed metric would silently turn an alert off), and the
-//! KEDA scaler's query (`deploy/k8s/base/worker-scaledobject.yaml`) counts what `stats` calls ready.
+//! exported by the built binaries — the ingest, the worker and the relay — (a renamed metric would
+//! silently turn an alert off), the workers' KEDA scaler query
+//! (`deploy/k8s/base/worker-scaledobject.yaml`) counts what `stats` calls ready, and the relays'
+//! (`deploy/k8s/base/relay-scaledobject.yaml`) the outbox rows a relay's claim can take.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -9,8 +11,12 @@ use std::time::Duration;
 use inbox_test_support::db::scalar;
 use inbox_test_support::events::{invoice_event, invoice_paid, sign, SECRET_A};
 use inbox_test_support::process::command;
+use inbox_test_support::receiver::Receiver;
 use inbox_test_support::worker::{eventually, store_event};
 use inbox_test_support::{spawn_app, TestDb};
+
+/// The relay's Standard Webhooks signing secret in these tests: whsec_ and the base64 of 24 bytes.
+const RELAY_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
 /// A file of the repository, by its path from the root.
 fn repo_file(path: &str) -> String {
@@ -74,8 +80,14 @@ async fn every_metric_the_alerts_and_the_dashboard_use_is_exported() {
     assert!(!exprs.is_empty(), "the dashboard has no expr");
     let dashboard_names = metric_names(&exprs.join("\n"));
     // The scan found what the files are about (guards against a scan that finds nothing).
-    let expected =
-        ["inbox_needs_review", "inbox_oldest_unprocessed_age_seconds", "inbox_ingest_requests_total"];
+    let expected = [
+        "inbox_needs_review",
+        "inbox_oldest_unprocessed_age_seconds",
+        "inbox_ingest_requests_total",
+        "inbox_outbox_parked",
+        "inbox_outbox_oldest_pending_age_seconds",
+        "inbox_relay_deliveries_total",
+    ];
     for name in expected {
         assert!(alerts.contains(name), "alerts.yaml should use {name}: found {alerts:?}");
         assert!(dashboard_names.contains(name), "the dashboard should use {name}: {dashboard_names:?}");
@@ -121,8 +133,43 @@ async fn every_metric_the_alerts_and_the_dashboard_use_is_exported() {
     let worker_text = scrape().await;
     assert!(processed, "the worker processed nothing:\n{worker_text}\n{}", worker.output());
 
+    // The relay with its metrics endpoint, delivering to a receiver that answers 2xx: one outbox
+    // row written here (besides those the worker's handler wrote), so that its delivery series
+    // exists. Its metrics address is in its "running" log line.
+    let receiver = Receiver::start(false).await;
+    crate::relay::write_outbox(&client, "in_metrics_relay", "invoice.paid", 1).await;
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", app.db.url()).env("INBOX_RELAY_SECRET", RELAY_SECRET).arg("relay").args([
+        "--to-url",
+        &receiver.url,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--poll-interval",
+        "100ms",
+    ]);
+    let relay = crate::relay::start(cmd).await;
+    let running = relay.output();
+    let running =
+        running.lines().find(|line| line.contains("inbox-relay running")).expect("its running line");
+    let log: serde_json::Value = serde_json::from_str(running).expect("json log line");
+    let relay_address = log["metrics"].as_str().expect("metrics field").to_owned();
+    let scrape_relay = || {
+        let (http, address) = (http.clone(), relay_address.clone());
+        async move { http.get(format!("http://{address}/metrics")).send().await.unwrap().text().await.unwrap() }
+    };
+    let delivered = eventually(Duration::from_secs(20), || async {
+        scrape_relay()
+            .await
+            .contains(r#"inbox_relay_deliveries_total{destination="http",outcome="delivered"}"#)
+    })
+    .await;
+    let relay_text = scrape_relay().await;
+    assert!(delivered, "the relay delivered nothing:\n{relay_text}\n{}", relay.output());
+    assert!(!receiver.accepted().is_empty(), "the receiver got nothing");
+
     let mut exported = exported_series(&ingest.text);
     exported.extend(exported_series(&worker_text));
+    exported.extend(exported_series(&relay_text));
     for (file, names) in
         [("deploy/prometheus/alerts.yaml", &alerts), ("deploy/grafana/dashboard.json", &dashboard_names)]
     {
@@ -166,4 +213,48 @@ async fn the_keda_query_counts_the_rows_stats_calls_ready() {
     let gauges = inbox_domain::inbox::store::admin::queue_gauges(&client).await.unwrap();
     assert_eq!(keda, 1, "the KEDA query should count only the ready row: {query}");
     assert_eq!(keda, gauges.ready, "the KEDA query and the inbox_ready gauge disagree");
+}
+
+#[tokio::test]
+async fn the_relay_keda_query_counts_the_outbox_rows_a_claim_can_take() {
+    let manifest = repo_file("deploy/k8s/base/relay-scaledobject.yaml");
+    let query = manifest
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("query: "))
+        .expect("no `query:` in relay-scaledobject.yaml")
+        .trim_matches('"')
+        .to_owned();
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let ready = crate::relay::write_outbox(&client, "in_ready", "invoice.paid", 1).await;
+    // The same aggregate's next row: ready too, until a claim meets it and holds it back.
+    crate::relay::write_outbox(&client, "in_ready", "invoice.paid", 2).await;
+    for (aggregate, state) in [
+        ("in_leased", "attempts = 1, fencing_token = 1, available_at = now() + interval '2 minutes'"),
+        ("in_retry_later", "attempts = 3, available_at = now() + interval '1 minute', last_error = 'boom'"),
+        ("in_parked", "attempts = 16, last_error = 'boom', parked_at = now()"),
+        ("in_published", "attempts = 1, published_at = now()"),
+    ] {
+        let id = crate::relay::write_outbox(&client, aggregate, "invoice.paid", 1).await;
+        client.execute(&format!("UPDATE outbox SET {state} WHERE id = $1"), &[&id]).await.unwrap();
+    }
+    assert_eq!(scalar(&client, &query).await, 2, "the two available rows of in_ready: {query}");
+
+    let claim = inbox_domain::inbox::store::outbox::claim(
+        &client,
+        16,
+        100,
+        i64::MAX,
+        Duration::from_secs(120),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let claimed: Vec<i64> = claim.claimed.iter().map(|row| row.id).collect();
+    assert_eq!((claimed, claim.parked.len(), claim.held), (vec![ready], 0, 1));
+    assert_eq!(
+        scalar(&client, &query).await,
+        0,
+        "after the claim, the claimed row is leased and the one behind it held: nothing a relay could take"
+    );
 }
