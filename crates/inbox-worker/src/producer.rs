@@ -113,14 +113,26 @@ pub trait Work: Send + Sync + 'static {
     /// What holding `row` costs in memory.
     fn bytes(row: &Self::Row) -> u64;
     /// Works one claimed batch to its end (each row's outcome recorded, or handed back at
-    /// shutdown).
-    fn process(self: Arc<Self>, rows: Vec<Self::Row>) -> impl Future<Output = ()> + Send;
+    /// shutdown), holding `held` meanwhile: dropped at the end at the latest; a queue whose rows
+    /// end one by one may give back each row's place as it ends (`held.rows.split(1)`), so that
+    /// the next claim need not wait for the batch's slowest row.
+    fn process(self: Arc<Self>, rows: Vec<Self::Row>, held: Held) -> impl Future<Output = ()> + Send;
     /// Cancelled at the first stop signal.
     fn shutdown(&self) -> &CancellationToken;
     /// Where failing claims are said, once per outage.
     fn outage(&self) -> &OutageLog;
     /// Counts a claim's size (a metric).
     fn observe_claim(&self, rows: usize);
+}
+
+/// The capacity a batch holds while it is worked.
+pub struct Held {
+    /// One place per row (of `--concurrency`).
+    pub rows: tokio::sync::OwnedSemaphorePermit,
+    /// The batch's transaction (of `Capacity::transactions`).
+    pub transaction: tokio::sync::OwnedSemaphorePermit,
+    /// Its payload bytes (of `--max-bytes-in-flight`).
+    pub bytes: inbox_domain::budget::BytesHeld,
 }
 
 /// What a claim came to, for the producer.
@@ -144,6 +156,9 @@ pub async fn run<W: Work>(
     let mut tasks = JoinSet::new();
     let shutdown = work.shutdown().clone();
     let mut retry_delay = poll_interval.min(Duration::from_millis(500));
+    // While batches are in flight, a claim waits for room for half a batch: places given back
+    // row by row (the relay's) would otherwise make claims of a row or two, each a round trip.
+    let min_claim = capacity.batch_size.div_ceil(2).max(1);
     loop {
         while let Some(done) = tasks.try_join_next() {
             report_task_end(done);
@@ -152,11 +167,14 @@ pub async fn run<W: Work>(
             break;
         }
         let (free_events, free_bytes) = (events.available_permits(), payloads.available());
-        if free_events == 0 || free_bytes == 0 || transactions.available_permits() == 0 {
-            // Every task returns its capacity when it ends.
+        let short = free_events < min_claim && !tasks.is_empty();
+        if free_events == 0 || free_bytes == 0 || transactions.available_permits() == 0 || short {
+            // Every task returns its capacity when it ends; some return places before.
+            let need = min_claim as u32;
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 Some(done) = tasks.join_next() => report_task_end(done),
+                Ok(room) = events.acquire_many(need), if free_events < min_claim => drop(room),
             }
             continue;
         }
@@ -197,8 +215,7 @@ pub async fn run<W: Work>(
             };
             let work = work.clone();
             tasks.spawn(async move {
-                work.process(rows).await;
-                drop((e, t, k));
+                work.process(rows, Held { rows: e, transaction: t, bytes: k }).await;
             });
         }
         if full {
@@ -228,8 +245,10 @@ impl Work for Context {
         row.bytes.max(0) as u64
     }
 
-    async fn process(self: Arc<Self>, rows: Vec<Claimed>) {
+    async fn process(self: Arc<Self>, rows: Vec<Claimed>, held: Held) {
+        // One transaction for the batch: its places come back together, when it ends.
         process_batch(&self, rows).await;
+        drop(held);
     }
 
     fn shutdown(&self) -> &CancellationToken {

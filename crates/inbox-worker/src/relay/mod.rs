@@ -34,7 +34,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::Conn;
-use crate::producer::{Batch, Capacity, Work};
+use crate::producer::{Batch, Capacity, Held, Work};
 pub use metrics::RelayMetrics;
 
 /// The header (HTTP) and NATS header carrying each attempt's fencing token: a number that grows
@@ -81,13 +81,17 @@ pub struct RelayArgs {
     #[arg(long, env = "INBOX_RELAY_SUBJECT", value_name = "SUBJECT", requires = "to_nats")]
     pub subject: Option<String>,
 
-    /// Deliveries in flight at once in this process (at most one per aggregate).
-    #[arg(long, env = "INBOX_RELAY_CONCURRENCY", default_value_t = 256,
+    /// Deliveries in flight at once in this process (at most one per aggregate): also the most
+    /// requests a receiver gets at once from it. Twice the worker's default: a batch is marked
+    /// once its slowest delivery ends, so more batches in flight keep the receiver busy meanwhile
+    /// (`make bench`: at 256 a relay delivered below the worker's rate, at 512 above it).
+    #[arg(long, env = "INBOX_RELAY_CONCURRENCY", default_value_t = 512,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub concurrency: u32,
 
-    /// Rows claimed, and marked published, per transaction (capped at --concurrency).
-    #[arg(long, env = "INBOX_RELAY_BATCH", default_value_t = 64,
+    /// Rows claimed per transaction (capped at --concurrency); they are marked published in
+    /// waves, as their deliveries end.
+    #[arg(long, env = "INBOX_RELAY_BATCH", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub batch_size: u32,
 
@@ -210,11 +214,12 @@ impl Settings {
             database,
             destination,
             max_attempts: args.max_attempts,
-            capacity: Capacity::new(
-                args.concurrency as usize,
-                args.batch_size as usize,
-                args.max_bytes_in_flight,
-            ),
+            capacity: Capacity {
+                // Batches give back their rows' places one by one and hold no connection while
+                // they deliver: the places bound them, not a number of transactions.
+                transactions: args.concurrency as usize,
+                ..Capacity::new(args.concurrency as usize, args.batch_size as usize, args.max_bytes_in_flight)
+            },
             lease: args.lease,
             delivery_timeout: args.delivery_timeout,
             backoff: Backoff { first: args.backoff, max: args.max_backoff },
@@ -328,8 +333,10 @@ where
     let pool = build_pool(
         &settings.database,
         &PoolOptions {
-            // One per batch in flight (its marks), plus the claims and the gauges.
-            max_size: settings.capacity.transactions + 2,
+            // Batches hold no connection while they deliver, only for their mark (a few
+            // milliseconds): four for the marks of the batches in flight, plus the claims and the
+            // gauges.
+            max_size: settings.capacity.transactions.min(4) + 2,
             timeout: db_timeout,
             application_name: "inbox-relay",
             session_statement_timeout: None,
@@ -514,8 +521,8 @@ impl Work for Relay {
         row.bytes.max(0) as u64
     }
 
-    async fn process(self: Arc<Self>, rows: Vec<OutboxClaimed>) {
-        deliver_batch(&self, rows).await;
+    async fn process(self: Arc<Self>, rows: Vec<OutboxClaimed>, held: Held) {
+        deliver_batch(&self, rows, held).await;
     }
 
     fn shutdown(&self) -> &CancellationToken {
@@ -531,12 +538,23 @@ impl Work for Relay {
     }
 }
 
+/// Rows delivered (or failed) together are marked together, in waves: a wave is written once
+/// this many rows ended, or [`WAVE_LINGER`] after the first of them ended. A slow receiver then
+/// holds back the mark of its own row only, not of the whole batch.
+const WAVE_ROWS: usize = 128;
+/// See [`WAVE_ROWS`].
+const WAVE_LINGER: Duration = Duration::from_millis(10);
+
 /// Delivers a claimed batch, each row concurrently (at most one per aggregate: the claim took
-/// only first rows); then marks the delivered rows published in one statement and records the
-/// failures in another. Handed back unstarted if shutdown began first.
-async fn deliver_batch(relay: &Relay, rows: Vec<OutboxClaimed>) {
-    let fences: Vec<Fence> = rows.iter().map(Fence::from).collect();
+/// only first rows), giving back each row's place as its delivery ends, so that the next claim
+/// need not wait for the batch's slowest receiver; the rows that ended are marked published (and
+/// the failures recorded) in waves of [`WAVE_ROWS`], one statement each. Handed back unstarted if
+/// shutdown began first.
+async fn deliver_batch(relay: &Relay, rows: Vec<OutboxClaimed>, held: Held) {
+    use futures_util::StreamExt as _;
+
     if relay.shutdown.is_cancelled() {
+        let fences: Vec<Fence> = rows.iter().map(Fence::from).collect();
         let handed = with_retries(relay, "hand back claimed outbox rows", |client| {
             let fences = fences.clone();
             Box::pin(async move { outbox::hand_back(client, &fences).await })
@@ -552,26 +570,80 @@ async fn deliver_batch(relay: &Relay, rows: Vec<OutboxClaimed>) {
         return;
     }
     relay.metrics.in_flight.inc_by(rows.len() as i64);
-    let results = futures_util::future::join_all(rows.iter().map(|row| async move {
-        let started = Instant::now();
-        let result = relay.destination.deliver(row).await;
-        relay.metrics.delivery_seconds.observe(started.elapsed().as_secs_f64());
-        (result, started.elapsed())
-    }))
-    .await;
-    relay.metrics.in_flight.dec_by(rows.len() as i64);
-
-    let delivered: Vec<Fence> =
-        rows.iter().zip(&results).filter(|(_, (r, _))| r.is_ok()).map(|(row, _)| Fence::from(row)).collect();
-    let failures: Vec<DeliveryFailure> = rows
+    let mut places = held.rows;
+    let mut deliveries: futures_util::stream::FuturesUnordered<_> = rows
         .iter()
-        .zip(&results)
-        .filter_map(|(row, (result, _))| {
-            let failure = result.as_ref().err()?;
+        .map(|row| async move {
+            let started = Instant::now();
+            let result = relay.destination.deliver(row).await;
+            (row, result, started.elapsed())
+        })
+        .collect();
+    let mut wave: Vec<Ended<'_>> = Vec::new();
+    let mut deadline: Option<tokio::time::Instant> = None;
+    // One timer for the whole batch, reset for each wave.
+    let linger = tokio::time::sleep(WAVE_LINGER);
+    tokio::pin!(linger);
+    loop {
+        let next = if deadline.is_none() {
+            deliveries.next().await
+        } else {
+            tokio::select! {
+                next = deliveries.next() => next,
+                _ = &mut linger => None,
+            }
+        };
+        let finished = match next {
+            Some((row, result, elapsed)) => {
+                relay.metrics.delivery_seconds.observe(elapsed.as_secs_f64());
+                relay.metrics.in_flight.dec();
+                // Delivered or failed: its place is free for the next claim (its mark comes with
+                // its wave; its lease covers the wait).
+                drop(places.split(1));
+                wave.push(Ended { row, result, elapsed });
+                if deadline.is_none() {
+                    let at = tokio::time::Instant::now() + WAVE_LINGER;
+                    linger.as_mut().reset(at);
+                    deadline = Some(at);
+                }
+                deliveries.is_empty()
+            }
+            None => true,
+        };
+        if !wave.is_empty()
+            && (finished
+                || wave.len() >= WAVE_ROWS
+                || deadline.is_some_and(|at| at <= tokio::time::Instant::now()))
+        {
+            finish_wave(relay, std::mem::take(&mut wave)).await;
+            deadline = None;
+        }
+        if deliveries.is_empty() && wave.is_empty() {
+            break;
+        }
+    }
+}
+
+/// A row whose delivery ended.
+struct Ended<'a> {
+    row: &'a OutboxClaimed,
+    result: Result<(), Failure>,
+    elapsed: Duration,
+}
+
+/// Marks the delivered rows of a wave published in one statement, records its failures in
+/// another, and counts and logs each row's outcome.
+async fn finish_wave(relay: &Relay, wave: Vec<Ended<'_>>) {
+    let delivered: Vec<Fence> =
+        wave.iter().filter(|e| e.result.is_ok()).map(|e| Fence::from(e.row)).collect();
+    let failures: Vec<DeliveryFailure> = wave
+        .iter()
+        .filter_map(|e| {
+            let failure = e.result.as_ref().err()?;
             Some(DeliveryFailure {
-                fence: Fence::from(row),
+                fence: Fence::from(e.row),
                 error: failure.error.clone(),
-                backoff: relay.backoff.after(row.attempts),
+                backoff: relay.backoff.after(e.row.attempts),
                 not_before: failure.retry_after.unwrap_or_default().min(relay.backoff.max),
                 park: failure.park,
             })
@@ -599,7 +671,7 @@ async fn deliver_batch(relay: &Relay, rows: Vec<OutboxClaimed>) {
     };
 
     let now = SystemTime::now();
-    for (row, (result, elapsed)) in rows.iter().zip(&results) {
+    for Ended { row, result, elapsed } in &wave {
         let span = tracing::info_span!(
             "outbox_row",
             outbox_id = row.id,
