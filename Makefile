@@ -53,7 +53,7 @@ bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); t
 	$(WITH_DB) target/release/bench $(BENCH_ARGS)
 
 .PHONY: deps
-deps: ## Install what lint and the tests need beyond the toolchain and PostgreSQL (cargo-deny, pgbouncer), if missing
+deps: ## Install what lint and the tests need beyond the toolchain and PostgreSQL (cargo-deny, pgbouncer, nats-server, Standard Webhooks reference library), if missing
 	scripts/ci-deps.sh
 
 lint: ## rustfmt check, clippy with warnings as errors, cargo deny (licenses, duplicate versions, banned crates, sources)

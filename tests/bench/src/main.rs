@@ -103,6 +103,10 @@ pub struct Args {
     /// `inbox-worker run --poll-interval` in the drains (c, mem, scale).
     #[arg(long, default_value = "50ms")]
     worker_poll_interval: String,
+    /// Extra `inbox-worker relay` flags for the relay phase, space-separated (e.g. "--concurrency
+    /// 512"); empty: the relay's defaults, as shipped.
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    relay_args: String,
     /// Give up on a drain after this long.
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     drain_timeout: Duration,

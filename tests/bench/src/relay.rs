@@ -88,13 +88,16 @@ async fn deliver(ctx: &Ctx, destination: Destination, db: &pg::BenchDb) -> anyho
     ctx.server.flush_stats(&client).await;
     let snap0 = ctx.server.snapshot(&client).await?;
     let started = Instant::now();
-    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    argv.extend(ctx.args.relay_args.split_whitespace());
+    let defaults = ctx.args.relay_args.trim().is_empty();
     let env: &[(&str, &str)] =
         if destination == Destination::Http { &[("INBOX_RELAY_SECRET", SECRET)] } else { &[] };
     let mut relay = ctx.bins.start_relay(&db.url, &argv, env);
     let pids = [("relay", relay.child.id())];
     let cpu0 = CpuSample::take(ctx.server.postmaster, &pids);
-    ctx.say(&format!("{label}: 1 relay process, no tuning flags, delivering {rows} rows"));
+    let flags = if defaults { "no tuning flags".to_owned() } else { ctx.args.relay_args.clone() };
+    ctx.say(&format!("{label}: 1 relay process, {flags}, delivering {rows} rows"));
     let mut polls = 0u64;
     let mut last_progress = Instant::now();
     loop {
@@ -167,6 +170,7 @@ async fn deliver(ctx: &Ctx, destination: Destination, db: &pg::BenchDb) -> anyho
         "relay_rss_kib": rss.map(|r| r.0),
         "relay_peak_rss_kib": rss.map(|r| r.1),
         "cpu": cpu,
-        "default_flags": true,
+        "default_flags": defaults,
+        "flags": ctx.args.relay_args,
     }))
 }

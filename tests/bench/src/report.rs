@@ -256,11 +256,13 @@ impl Table {
         let worker_default = get("drain_default")["events_per_s"].as_f64();
         for (name, v) in get("relay").as_object().into_iter().flatten() {
             let per_s = v["deliveries_per_s"].as_f64().unwrap_or(0.0);
+            let flags =
+                if v["default_flags"] == true { "default flags".to_owned() } else { v["flags"].to_string() };
             let row = t.add(
-                format!("relay  {} outbox rows → {name}, 1 relay proc, default flags", v["rows"]),
+                format!("relay  {} outbox rows → {name}, 1 relay proc, {flags}", v["rows"]),
                 format!("{per_s:.0} deliveries/s"),
             );
-            if let Some(base) = worker_default {
+            if let (Some(base), true) = (worker_default, v["default_flags"] == true) {
                 row.ratio = Some((per_s / base, "c1-default".into()));
                 row.target = "≥ 1.00".into();
                 row.ok = Some(per_s / base >= 1.0);
