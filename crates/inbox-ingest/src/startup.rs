@@ -71,9 +71,26 @@ pub struct AppState {
     pub endpoint_names: String,
 }
 
-/// Shortest gap between two NOTIFYs from one ingest process (see
-/// `inbox_domain::db::notify_coalesced`).
+/// Shortest gap between two NOTIFYs from one ingest process. A NOTIFY inside every insert
+/// transaction would take PostgreSQL's global notify lock at each commit and serialise them;
+/// instead one separate NOTIFY covers every row committed since the previous one.
 pub const NOTIFY_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Sends the coalesced wake-up NOTIFY until aborted.
+async fn notify_workers(pool: Pool, wake: Arc<Notify>) {
+    loop {
+        wake.notified().await;
+        if let Ok(client) = pool.get().await {
+            if let Err(e) = client.batch_execute(inbox_domain::inbox::store::ingest::NOTIFY_SQL).await {
+                tracing::debug!(
+                    error = %inbox_domain::db::describe_db_error(&e),
+                    "wake-up NOTIFY failed (workers fall back to polling)"
+                );
+            }
+        }
+        tokio::time::sleep(NOTIFY_INTERVAL).await;
+    }
+}
 
 /// A built service, bound to its listener, ready to run.
 pub struct Application {
@@ -179,12 +196,7 @@ impl Application {
         };
         let batcher = Batcher::start(target, writers, metrics.clone());
         let wake_workers = Arc::new(Notify::new());
-        let notifier = tokio::spawn(inbox_domain::db::notify_coalesced(
-            pool.clone(),
-            wake_workers.clone(),
-            inbox_domain::inbox::store::ingest::NOTIFY_SQL,
-            NOTIFY_INTERVAL,
-        ));
+        let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
         let mut names: Vec<&str> = settings.endpoints.iter().map(|e| e.name.as_str()).collect();
         names.sort_unstable();
         let endpoint_names = names.join(", ");

@@ -373,29 +373,6 @@ pub async fn check_reachable(pool: &Pool, database: &DatabaseConfig) -> anyhow::
     Ok(())
 }
 
-/// Sends `notify_sql` (a `pg_notify` from the store) each time `wake` is notified, at most once
-/// per `interval`, until aborted: the coalesced wake-up of the ingest (for the workers) and of the
-/// workers (for the relays). A NOTIFY inside every writing transaction would take PostgreSQL's
-/// global notify lock at each commit and serialise them; one separate NOTIFY covers every row
-/// committed since the previous one. A failed NOTIFY is said at debug level: the listeners also
-/// poll.
-pub async fn notify_coalesced(
-    pool: Pool,
-    wake: std::sync::Arc<tokio::sync::Notify>,
-    notify_sql: &'static str,
-    interval: std::time::Duration,
-) {
-    loop {
-        wake.notified().await;
-        if let Ok(client) = pool.get().await {
-            if let Err(e) = client.batch_execute(notify_sql).await {
-                tracing::debug!(error = %describe_db_error(&e), "wake-up NOTIFY failed (listeners fall back to polling)");
-            }
-        }
-        tokio::time::sleep(interval).await;
-    }
-}
-
 /// One line when the database starts failing and one when it answers again, instead of a line per
 /// failed call: an outage of a minute under load is thousands of calls. The failures in between
 /// are counted, and said at debug level.
