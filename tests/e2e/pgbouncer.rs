@@ -1,5 +1,5 @@
 //! Through PgBouncer in transaction mode (Debian's 1.18) with `INBOX_DB_POOLER=transaction`: the
-//! ingest and the worker do their whole job — concurrent and duplicate deliveries stored once,
+//! ingest, the worker and the relay do their whole job — concurrent and duplicate deliveries stored once,
 //! every payment booked once — and the operator commands work, with server connections shared by
 //! every client and each transaction on whichever is free; `migrate`, which needs a session, is
 //! refused saying so. Skipped, saying so, where pgbouncer is not installed (`scripts/ci-deps.sh`
@@ -78,7 +78,25 @@ async fn ingest_worker_and_operators_work_through_pgbouncer_in_transaction_mode(
     assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 40);
     let (health, ready) = tokio::join!(get(&base, "/readyz"), get(&base, "/healthz"));
     assert!(health.starts_with("HTTP/1.1 200") && ready.starts_with("HTTP/1.1 200"), "{health} {ready}");
-    for output in [worker.output(), ingest.output()] {
+
+    // The relay delivers the 40 outbox rows through the pooler too, polling.
+    let receiver = inbox_test_support::receiver::Receiver::start(false).await;
+    let mut relay = command("inbox-worker");
+    relay
+        .env("DATABASE_URL", &via)
+        .env("INBOX_DB_POOLER", "transaction")
+        .env("INBOX_RELAY_SECRET", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+        .args(["relay", "--to-url", &receiver.url, "--poll-interval", "100ms", "--batch-size", "8"]);
+    let relay = Proc::spawn(relay);
+    relay.wait_for_line("no LISTEN wake-ups, polling", Duration::from_secs(30));
+    let published = eventually(Duration::from_secs(30), || async {
+        scalar(&client, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 40
+    })
+    .await;
+    assert!(published, "the relay delivered every row:\n{}\n{}", relay.output(), bouncer.log());
+    assert_eq!(receiver.accepted().len(), 40, "each once");
+
+    for output in [worker.output(), ingest.output(), relay.output()] {
         assert!(!output.contains("prepared statement"), "no statement outlived its transaction:\n{output}");
     }
 

@@ -370,3 +370,41 @@ async fn json(db: &TestDb, args: &[&str]) -> Value {
     assert!(output.status.success(), "{args:?}: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
     serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
 }
+
+/// SIGTERM while deliveries are in flight (the receiver answers after 1.5 s): the relay claims
+/// nothing more, lets them finish, marks them published and exits 0; the rows it had not claimed
+/// stay for the next relay, untouched (no attempt counted).
+#[tokio::test]
+async fn sigterm_lets_deliveries_in_flight_finish_and_marks_them_before_exiting() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let receiver = Receiver::start(false).await;
+    receiver.script(|_, _| Reply { delay: Duration::from_millis(1500), ..Reply::ok() });
+    for i in 0..10 {
+        write_outbox(&client, &format!("in_term_{i}"), "InvoicePaymentBooked", i).await;
+    }
+    // Ten places: the ten rows are claimed and in flight at once.
+    let mut relay = start(relay(&db, &receiver.url, &secret(1), &["--concurrency", "10"])).await;
+    assert!(receiver.wait_for(10, TIMEOUT).await, "{}", relay.output());
+    // Written after the claim: no relay has taken them.
+    for i in 10..15 {
+        write_outbox(&client, &format!("in_term_{i}"), "InvoicePaymentBooked", i).await;
+    }
+    relay.signal(libc::SIGTERM);
+    let status = tokio::task::spawn_blocking(move || {
+        let status = relay.wait(TIMEOUT);
+        (status, relay)
+    })
+    .await
+    .unwrap();
+    let (status, relay) = status;
+    assert!(status.success(), "exit 0 after SIGTERM: {status}\n{}", relay.output());
+    assert!(relay.output().contains("inbox-relay stopped"), "{}", relay.output());
+    assert_eq!(receiver.accepted().len(), 10, "nothing delivered after SIGTERM");
+    let rows =
+        client.query("SELECT published_at IS NOT NULL, attempts FROM outbox ORDER BY id", &[]).await.unwrap();
+    let states: Vec<(bool, i32)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let mut expected = vec![(true, 1); 10];
+    expected.extend(vec![(false, 0); 5]);
+    assert_eq!(states, expected, "the ten in flight marked published; the five later rows untouched");
+}
