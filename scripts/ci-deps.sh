@@ -18,7 +18,7 @@ STANDARDWEBHOOKS_VERSION=1.1.0
 pydeps="$here/../target/python-deps"
 if ! PYTHONPATH="$pydeps" python3 -c "import standardwebhooks" 2>/dev/null; then
     echo "ci-deps.sh: installing standardwebhooks $STANDARDWEBHOOKS_VERSION (PyPI) into target/python-deps" >&2
-    python3 -m pip install --quiet --disable-pip-version-check --target "$pydeps" \
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$pydeps" \
         "standardwebhooks==$STANDARDWEBHOOKS_VERSION"
 fi
 missing=()
