@@ -33,6 +33,27 @@ pub const OUTBOX: Channel = Channel {
 
 /// Listens on `channel` until `shutdown`, reconnecting after failures; the poll interval covers
 /// the gaps.
+/// A producer's wake-up: [`run`] on `channel`, spawned until `shutdown` — or, behind a transaction
+/// pooler, none, said once: a notification goes to the server connection that LISTENed, which the
+/// pool hands to other clients, so new rows are found by polling every `poll_interval`.
+pub fn spawn(
+    database: &DatabaseConfig,
+    channel: Channel,
+    poll_interval: Duration,
+    shutdown: CancellationToken,
+) -> Arc<Notify> {
+    let wake = Arc::new(Notify::new());
+    if database.pooler == inbox_domain::db::Pooler::Transaction {
+        tracing::info!(
+            poll_interval_s = poll_interval.as_secs_f64(),
+            "behind a transaction pooler: no LISTEN wake-ups, polling for new rows"
+        );
+    } else {
+        tokio::spawn(run(database.clone(), channel, wake.clone(), shutdown));
+    }
+    wake
+}
+
 pub async fn run(database: DatabaseConfig, channel: Channel, wake: Arc<Notify>, shutdown: CancellationToken) {
     let mut delay = Duration::from_millis(200);
     loop {

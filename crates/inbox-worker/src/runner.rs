@@ -8,12 +8,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use inbox_domain::db::{
-    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig,
-    PoolOptions, Pooler,
+    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions,
 };
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::{gauges, workers};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
@@ -196,22 +194,12 @@ where
         registry.clone(),
         background.clone(),
     ));
-    let wake = Arc::new(Notify::new());
-    if settings.database.pooler == Pooler::Transaction {
-        // A notification goes to the server connection that LISTENed, which a transaction pool
-        // hands to other clients: new rows are found by polling.
-        tracing::info!(
-            poll_interval_s = settings.poll_interval.as_secs_f64(),
-            "behind a transaction pooler: no LISTEN wake-ups, polling for new rows"
-        );
-    } else {
-        tokio::spawn(crate::listener::run(
-            settings.database.clone(),
-            crate::listener::INBOX,
-            wake.clone(),
-            background.clone(),
-        ));
-    }
+    let wake = crate::listener::spawn(
+        &settings.database,
+        crate::listener::INBOX,
+        settings.poll_interval,
+        background.clone(),
+    );
 
     tracing::info!(
         concurrency = settings.capacity.events,
