@@ -19,6 +19,10 @@ use reqwest::header::{HeaderMap, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 
 use super::{Failure, FENCING_TOKEN_HEADER};
 
+/// Most of a 2xx answer read, so that its connection can serve the next delivery; a longer answer
+/// costs its connection.
+const DRAIN_AT_MOST: usize = 64 * 1024;
+
 /// Longest part of a receiver's answer kept in `last_error`.
 const ANSWER_EXCERPT: usize = 256;
 
@@ -81,7 +85,7 @@ impl Http {
     pub async fn deliver(&self, row: &OutboxClaimed) -> Result<(), Failure> {
         let id = row.id.to_string();
         let timestamp = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let signature = sign(&self.keys, &id, timestamp, row.payload.as_bytes());
+        let signature = sign(&self.keys, &id, timestamp, &row.payload);
         let mut headers = HeaderMap::with_capacity(8);
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert("webhook-id", header_value(&id));
@@ -98,6 +102,15 @@ impl Http {
         };
         let status = response.status();
         if status.is_success() {
+            // Read what the receiver answered (a bounded amount): a connection whose answer is
+            // left unread is closed instead of kept for the next delivery.
+            let mut read = 0;
+            while read < DRAIN_AT_MOST {
+                match response.chunk().await {
+                    Ok(Some(chunk)) => read += chunk.len(),
+                    _ => break,
+                }
+            }
             return Ok(());
         }
         let retry_after = response.headers().get(RETRY_AFTER).and_then(parse_retry_after);

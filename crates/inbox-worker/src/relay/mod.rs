@@ -27,10 +27,9 @@ use clap::Args;
 use deadpool_postgres::Pool;
 use inbox_domain::config::{parse_byte_size, parse_duration};
 use inbox_domain::db::{
-    build_pool, check_reachable, describe_db_error, DatabaseConfig, OutageLog, PoolOptions, Pooler,
+    build_pool, check_reachable, describe_db_error, DatabaseConfig, OutageLog, PoolOptions,
 };
 use inbox_domain::inbox::store::outbox::{self, DeliveryFailure, Fence, OutboxClaimed};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::Conn;
@@ -387,20 +386,12 @@ where
             background.clone(),
         ));
     }
-    let wake = Arc::new(Notify::new());
-    if settings.database.pooler == Pooler::Transaction {
-        tracing::info!(
-            poll_interval_s = settings.poll_interval.as_secs_f64(),
-            "behind a transaction pooler: no LISTEN wake-ups, polling for new rows"
-        );
-    } else {
-        tokio::spawn(crate::listener::run(
-            settings.database.clone(),
-            crate::listener::OUTBOX,
-            wake.clone(),
-            background.clone(),
-        ));
-    }
+    let wake = crate::listener::spawn(
+        &settings.database,
+        crate::listener::OUTBOX,
+        settings.poll_interval,
+        background.clone(),
+    );
     tracing::info!(
         destination = destination.describe(),
         concurrency = settings.capacity.events,

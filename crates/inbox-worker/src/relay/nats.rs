@@ -107,7 +107,7 @@ impl Nats {
         headers.insert("inbox-event-type", row.event_type.as_str());
         headers.insert("inbox-aggregate-type", row.aggregate_type.as_str());
         headers.insert("inbox-aggregate-id", row.aggregate_id.as_str());
-        let payload = bytes::Bytes::from(row.payload.clone().into_bytes());
+        let payload = row.payload.clone();
         let ack = match self.jetstream.publish_with_headers(self.subject.clone(), headers, payload).await {
             Ok(ack) => ack.await,
             Err(e) => Err(e),

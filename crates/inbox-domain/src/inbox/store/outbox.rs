@@ -142,8 +142,8 @@ pub struct OutboxClaimed {
     pub aggregate_type: String,
     pub aggregate_id: String,
     pub event_type: String,
-    /// The payload as JSON text: the body delivered.
-    pub payload: String,
+    /// The payload as JSON text: the body delivered (shared, not copied, by each attempt).
+    pub payload: bytes::Bytes,
     pub created_at: SystemTime,
     /// The attempt this claim counted (1 for the first).
     pub attempts: i32,
@@ -195,7 +195,7 @@ pub async fn claim(
                 aggregate_type: r.get("aggregate_type"),
                 aggregate_id: r.get("aggregate_id"),
                 event_type: r.get("event_type"),
-                payload: r.get("payload"),
+                payload: bytes::Bytes::from(r.get::<_, String>("payload")),
                 created_at: r.get("created_at"),
                 attempts: r.get("attempts"),
                 leased_until: r.get("available_at"),
