@@ -1,6 +1,7 @@
 //! relay: one `inbox-worker relay` process started with nothing but its destination (its
 //! defaults) delivers `--drain-rows` outbox rows — each its own aggregate, the payload the invoice
-//! handler writes — to an HTTP receiver in this process (Standard Webhooks signed, answering 200),
+//! handler writes — to an HTTP receiver in this process (Standard Webhooks signed; it answers 200
+//! and counts the requests per id, nothing more),
 //! then to a nats-server with JetStream (an R1 file stream; waits for each ack). Deliveries/s,
 //! commits and WAL bytes per delivered row, CPU µs per row; the report sets the rate beside the
 //! worker's default-flag drain of (c): the relay must never be what limits the pipeline.
@@ -66,7 +67,7 @@ async fn deliver(ctx: &Ctx, destination: Destination, db: &pg::BenchDb) -> anyho
     let mut nats = None;
     let args: Vec<String> = match destination {
         Destination::Http => {
-            let r = inbox_test_support::receiver::Receiver::start(false).await;
+            let r = inbox_test_support::receiver::Counter::start().await;
             let args = vec!["--to-url".to_owned(), r.url.clone()];
             receiver = Some(r);
             args
@@ -134,11 +135,7 @@ async fn deliver(ctx: &Ctx, destination: Destination, db: &pg::BenchDb) -> anyho
 
     // What the destination holds: every row, once.
     let (delivered, distinct) = match (&receiver, &nats) {
-        (Some(r), _) => {
-            let accepted = r.accepted();
-            let ids: std::collections::HashSet<&str> = accepted.iter().map(|d| d.id.as_str()).collect();
-            (accepted.len() as u64, ids.len() as u64)
-        }
+        (Some(r), _) => (r.requests(), r.distinct() as u64),
         (_, Some((_, js))) => {
             let mut stream = js.get_stream(STREAM).await?;
             let messages = stream.info().await?.state.messages;

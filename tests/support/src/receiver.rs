@@ -211,3 +211,66 @@ async fn receive(state: web::Data<State>, request: HttpRequest, body: web::Bytes
     }
     response.body(if reply.status == 409 { "stale fencing token" } else { "" })
 }
+
+/// A receiver for the bench: answers 200 to every request and keeps only how many requests each
+/// `webhook-id` got — as little work per request as a receiver can do, so that a benchmark of the
+/// relay measures the relay.
+pub struct Counter {
+    /// Where to POST: `http://127.0.0.1:PORT/hooks`.
+    pub url: String,
+    ids: Arc<Mutex<HashMap<u64, u32>>>,
+    handle: actix_web::dev::ServerHandle,
+}
+
+impl Counter {
+    pub async fn start() -> Counter {
+        let ids: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let shared = ids.clone();
+        let server = HttpServer::new(move || {
+            App::new().app_data(web::Data::from(shared.clone())).route("/hooks", web::post().to(count))
+        })
+        .workers(2)
+        .disable_signals()
+        .shutdown_timeout(1)
+        .listen(listener)
+        .unwrap()
+        .run();
+        let handle = server.handle();
+        tokio::spawn(server);
+        Counter { url: format!("http://127.0.0.1:{port}/hooks"), ids, handle }
+    }
+
+    /// Requests answered.
+    pub fn requests(&self) -> u64 {
+        self.ids.lock().unwrap().values().map(|n| u64::from(*n)).sum()
+    }
+
+    /// Distinct `webhook-id`s received.
+    pub fn distinct(&self) -> usize {
+        self.ids.lock().unwrap().len()
+    }
+}
+
+impl Drop for Counter {
+    fn drop(&mut self) {
+        let handle = self.handle.clone();
+        tokio::spawn(async move { handle.stop(false).await });
+    }
+}
+
+async fn count(
+    ids: web::Data<Mutex<HashMap<u64, u32>>>,
+    request: HttpRequest,
+    _body: web::Bytes,
+) -> HttpResponse {
+    let id = request.headers().get("webhook-id").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
+    match id {
+        Some(id) => {
+            *ids.lock().unwrap().entry(id).or_insert(0) += 1;
+            HttpResponse::Ok().finish()
+        }
+        None => HttpResponse::BadRequest().finish(),
+    }
+}
