@@ -408,3 +408,29 @@ async fn sigterm_lets_deliveries_in_flight_finish_and_marks_them_before_exiting(
     expected.extend(vec![(false, 0); 5]);
     assert_eq!(states, expected, "the ten in flight marked published; the five later rows untouched");
 }
+
+/// A receiver that answers 200 with a body (here 32 KiB) keeps serving on the connection the
+/// relay opened: the relay reads the answer before reusing the connection (an answer left unread
+/// makes the client close it, and every delivery would open a new one).
+#[tokio::test]
+async fn a_receiver_answering_with_a_body_is_delivered_to_over_one_kept_connection() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let receiver = Receiver::start(false).await;
+    // 32 KiB: more than arrives with the answer's headers.
+    let body: &'static str =
+        Box::leak(format!(r#"{{"received":true,"note":"{}"}}"#, "x".repeat(32 << 10)).into_boxed_str());
+    receiver.script(move |_, _| Reply { body, ..Reply::ok() });
+    // One aggregate: its rows go one after the other, each after the previous one's mark.
+    for i in 0..20 {
+        write_outbox(&client, "in_kept", "InvoicePaymentBooked", i).await;
+    }
+    let relay = start(relay(&db, &receiver.url, &secret(1), &[])).await;
+    let all = eventually(TIMEOUT, || async {
+        scalar(&client, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 20
+    })
+    .await;
+    assert!(all, "{}", relay.output());
+    assert_eq!(receiver.accepted().len(), 20);
+    assert_eq!(receiver.connections(), 1, "one connection for twenty deliveries, one after the other");
+}

@@ -49,15 +49,17 @@ pub struct Reply {
     pub retry_after: Option<String>,
     /// Wait this long before answering (a slow or stalled receiver).
     pub delay: Duration,
+    /// The answer's body (receivers often say `{"received":true}`).
+    pub body: &'static str,
 }
 
 impl Reply {
     pub fn ok() -> Self {
-        Reply { status: 200, retry_after: None, delay: Duration::ZERO }
+        Reply { status: 200, retry_after: None, delay: Duration::ZERO, body: "" }
     }
 
     pub fn status(status: u16) -> Self {
-        Reply { status, retry_after: None, delay: Duration::ZERO }
+        Reply { status, retry_after: None, delay: Duration::ZERO, body: "" }
     }
 }
 
@@ -74,6 +76,8 @@ struct State {
     per_id: Mutex<HashMap<String, usize>>,
     stale_refused: AtomicU64,
     stale_accepted: AtomicU64,
+    /// TCP connections accepted (a client that reuses its connections opens few).
+    connections: AtomicU64,
 }
 
 /// A running receiver, stopped when dropped.
@@ -96,15 +100,20 @@ impl Receiver {
             per_id: Mutex::default(),
             stale_refused: AtomicU64::new(0),
             stale_accepted: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let shared = state.clone();
+        let counted = state.clone();
         let server = HttpServer::new(move || {
             App::new()
                 .app_data(web::Data::from(shared.clone()))
                 .app_data(web::PayloadConfig::new(64 << 20))
                 .route("/hooks", web::post().to(receive))
+        })
+        .on_connect(move |_, _| {
+            counted.connections.fetch_add(1, Ordering::Relaxed);
         })
         .workers(2)
         .disable_signals()
@@ -140,6 +149,11 @@ impl Receiver {
     /// Stale attempts taken (only when not refusing them).
     pub fn stale_accepted(&self) -> u64 {
         self.state.stale_accepted.load(Ordering::Relaxed)
+    }
+
+    /// TCP connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.state.connections.load(Ordering::Relaxed)
     }
 
     /// Waits until `n` requests arrived, or `timeout`.
@@ -209,7 +223,7 @@ async fn receive(state: web::Data<State>, request: HttpRequest, body: web::Bytes
     if let Some(retry_after) = &reply.retry_after {
         response.insert_header(("Retry-After", retry_after.as_str()));
     }
-    response.body(if reply.status == 409 { "stale fencing token" } else { "" })
+    response.body(if reply.status == 409 { "stale fencing token" } else { reply.body })
 }
 
 /// A receiver for the bench: answers 200 to every request and keeps only how many requests each
