@@ -675,6 +675,58 @@ async fn dry_runs_change_nothing_and_write_no_audit() {
 
 // ----------------------------------------------------------------------------------------- replay
 
+/// `replay --event-id --dry-run` runs the handler in a transaction that is rolled back: a processed
+/// `invoice.paid` whose booking is missing reports the booking (and the invoice, and the outbox row)
+/// a replay would make, and nothing changes — no business row, not the event's processed mark; the
+/// look is audited. With the booking there, it reports that a replay would book nothing.
+#[tokio::test]
+async fn replay_dry_run_reports_the_booking_it_would_make_and_changes_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed(&client, &[processed("evt_dry", 3600.0)]).await;
+    async fn marked(client: &Client) -> String {
+        client
+            .query_one("SELECT processed_at::text FROM webhook_inbox WHERE event_id = 'evt_dry'", &[])
+            .await
+            .unwrap()
+            .get(0)
+    }
+    let before = marked(&client).await;
+
+    let report = json_of(&db, &["replay", "--event-id", "evt_dry", "--dry-run", "--actor", "dora"]).await;
+    assert_eq!(report["action"], "replay-dry-run");
+    assert_eq!(report["changed"], false);
+    let changes = report["would_change"].as_array().expect("per table");
+    let table = |name: &str| changes.iter().find(|c| c["table"] == name).cloned().unwrap_or(json!(null));
+    assert_eq!(table("ledger_entries")["inserted"], 1, "{report}");
+    assert_eq!(table("ledger_entries")["rows"][0]["invoice_id"], "in_evt_dry", "{report}");
+    assert_eq!(table("ledger_entries")["rows"][0]["amount"], 100, "{report}");
+    assert_eq!(table("outbox")["inserted"], 1, "{report}");
+    assert_eq!(table("outbox")["rows"][0]["event_type"], "InvoicePaymentBooked", "{report}");
+    assert_eq!(table("invoices")["inserted"], 1, "{report}");
+
+    // Nothing changed.
+    for sql in [
+        "SELECT count(*) FROM ledger_entries",
+        "SELECT count(*) FROM outbox",
+        "SELECT count(*) FROM invoices",
+    ] {
+        assert_eq!(scalar(&client, sql).await, 0, "{sql}");
+    }
+    assert_eq!(marked(&client).await, before, "the processed mark is not renewed");
+    let records = audit(&client).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!((records[0].0.as_str(), records[0].1.as_str(), records[0].3), ("dora", "replay-dry-run", 0));
+    assert_eq!(records[0].2["would_change"]["ledger_entries"]["inserted"], 1, "{}", records[0].2);
+
+    // Once replayed for real, a dry run says a replay would book nothing more.
+    ok(&db, &["replay", "--event-id", "evt_dry"]).await;
+    let output = ok(&db, &["replay", "--event-id", "evt_dry", "--dry-run"]).await;
+    assert!(output.contains("nothing changed (rolled back)"), "{output}");
+    assert!(!output.contains("ledger_entries"), "no booking: {output}");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 1);
+}
+
 #[tokio::test]
 async fn replay_repairs_missing_business_rows_and_never_double_books() {
     let db = TestDb::new().await;

@@ -6,7 +6,10 @@
 //! apply, and most likely the wrong binary), and nothing changes.
 //!
 //! `--event-id`: one event, in one transaction with the row locked, its `processed_at` renewed and
-//! the audit record; a handler error rolls everything back.
+//! the audit record; a handler error rolls everything back. With `--dry-run` the handler runs in a
+//! transaction that is rolled back: what it changed per table is read before the rollback
+//! (PostgreSQL's per-transaction counters, and the rows the transaction wrote), printed, and the
+//! look audited in a transaction of its own (`replay-dry-run`, `affected` 0).
 //!
 //! `--event-type T [--since D] [--until D]`: every processed event of the type received in that
 //! span, oldest first. The count is printed first; more than [`CONFIRM_ABOVE`] events at once are
@@ -59,8 +62,10 @@ pub struct Args {
     /// With --event-type: received before this time (RFC 3339 or an age).
     #[arg(long, requires = "event_type", value_parser = parse_time)]
     pub until: Option<SystemTime>,
-    /// With --event-type: count and list what would be replayed, change nothing.
-    #[arg(long, requires = "event_type")]
+    /// Change nothing. With --event-id: run the handler in a transaction that is rolled back and
+    /// print what it would insert, update and delete per table (and the rows it would write, the
+    /// outbox's among them); the look is audited. With --event-type: count and list the events.
+    #[arg(long)]
     pub dry_run: bool,
     /// With --event-type: confirm a replay of more than 100 events at once.
     #[arg(long, requires = "event_type")]
@@ -143,6 +148,27 @@ async fn replay_one(
         payload,
     );
     let applied = handler.handle(&tx, &event).await;
+    if args.dry_run {
+        let changes = match applied {
+            Ok(()) => admin::transaction_changes(&*tx, &["webhook_inbox"])
+                .await
+                .map_err(db_error("reading what the handler changed"))?,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                anyhow::bail!(
+                    "dry run of event {event_id} (endpoint {}, {}): the handler fails, so a replay \
+                     would change nothing: {e}",
+                    event.endpoint,
+                    event.event_type
+                );
+            }
+        };
+        if pooler == Pooler::Transaction {
+            tx.statement_cache.clear();
+        }
+        tx.rollback().await.map_err(db_error("rolling the dry run back"))?;
+        return report_dry_run(client, args, &event, &changes).await;
+    }
     if pooler == Pooler::Transaction {
         // Close the statements the handler prepared before the transaction ends, on the server
         // connection that has them (as the worker's executor does).
@@ -193,6 +219,73 @@ async fn replay_one(
         "replayed event {event_id} (endpoint {}, {}): handler applied; audit record {audit_id}\n",
         event.endpoint, event.event_type
     ))
+}
+
+/// Audits a `replay --event-id --dry-run` (what it would change, `affected` 0) and prints it.
+async fn report_dry_run(
+    client: &deadpool_postgres::Object,
+    args: &Args,
+    event: &InboxEvent,
+    changes: &[admin::TableChange],
+) -> anyhow::Result<()> {
+    let counts: serde_json::Map<String, serde_json::Value> = changes
+        .iter()
+        .map(|c| {
+            let counts =
+                serde_json::json!({"inserted": c.inserted, "updated": c.updated, "deleted": c.deleted});
+            (c.table.clone(), counts)
+        })
+        .collect();
+    let target = serde_json::json!({
+        "provider": PROVIDER_STRIPE,
+        "endpoint": event.endpoint,
+        "event_id": event.event_id,
+        "event_type": event.event_type,
+        "would_change": counts,
+    });
+    let audit_id = admin::insert_audit(&***client, args.actor.name(), "replay-dry-run", &target, 0)
+        .await
+        .map_err(db_error("writing the audit record"))?;
+    if args.output.json {
+        #[derive(Serialize)]
+        struct Report<'a> {
+            action: &'static str,
+            endpoint: &'a str,
+            event_id: &'a str,
+            event_type: &'a str,
+            changed: bool,
+            would_change: &'a [admin::TableChange],
+            audit_id: i64,
+        }
+        return emit_json(&Report {
+            action: "replay-dry-run",
+            endpoint: &event.endpoint,
+            event_id: &event.event_id,
+            event_type: &event.event_type,
+            changed: false,
+            would_change: changes,
+            audit_id,
+        });
+    }
+    let mut text = format!(
+        "dry run of event {} (endpoint {}, {}): nothing changed (rolled back); audit record {audit_id}\n",
+        event.event_id, event.endpoint, event.event_type
+    );
+    if changes.is_empty() {
+        text.push_str("a replay would change no row (besides renewing the event's processed mark)\n");
+    } else {
+        text.push_str("a replay would (besides renewing the event's processed mark):\n");
+        for c in changes {
+            text.push_str(&format!(
+                "  {:<24} {} inserted, {} updated, {} deleted\n",
+                c.table, c.inserted, c.updated, c.deleted
+            ));
+            for row in &c.rows {
+                text.push_str(&format!("    {row}\n"));
+            }
+        }
+    }
+    emit(&text)
 }
 
 /// What `replay --event-type --json` prints.

@@ -955,6 +955,66 @@ pub async fn insert_audit(
     Ok(row.get(0))
 }
 
+/// What the current transaction changed, per table (`replay --dry-run`, before its rollback): the
+/// rows it inserted, updated and deleted, from PostgreSQL's own per-transaction counters
+/// (`pg_stat_xact_user_tables`), and whether this role may read the table (to list the rows).
+pub const TRANSACTION_CHANGES_SQL: &str = "\
+SELECT format('%I.%I', schemaname, relname) AS table_name, relname,
+       n_tup_ins AS inserted, n_tup_upd AS updated, n_tup_del AS deleted,
+       has_table_privilege(relid, 'SELECT') AS readable
+  FROM pg_stat_xact_user_tables
+ WHERE n_tup_ins + n_tup_upd + n_tup_del > 0
+ ORDER BY relname";
+
+/// A row of [`TRANSACTION_CHANGES_SQL`], with the rows the transaction wrote there.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TableChange {
+    pub table: String,
+    pub inserted: i64,
+    pub updated: i64,
+    pub deleted: i64,
+    /// The rows the transaction inserted or updated, as JSON (at most [`ROWS_SHOWN`]); empty where
+    /// the role may not read the table. Deleted rows are gone: counted only.
+    pub rows: Vec<serde_json::Value>,
+}
+
+/// Most rows listed per table by [`transaction_changes`].
+pub const ROWS_SHOWN: i64 = 20;
+
+/// What the current transaction changed so far, per table; the rows it wrote in `skip_rows_of`
+/// (the inbox, whose rows carry whole payloads) are counted but not listed. The rows written are
+/// those whose `xmin` is this transaction's id (its top level: a savepoint's rows carry their
+/// own).
+pub async fn transaction_changes(
+    client: &(impl GenericClient + Sync),
+    skip_rows_of: &[&str],
+) -> Result<Vec<TableChange>, tokio_postgres::Error> {
+    let mut changes = Vec::new();
+    for r in client.query_typed(TRANSACTION_CHANGES_SQL, &[]).await? {
+        let table: String = r.get("table_name");
+        let name: String = r.get("relname");
+        let listed = r.get::<_, bool>("readable") && !skip_rows_of.contains(&name.as_str());
+        let rows = if listed {
+            // The name comes from the catalog, quoted by format('%I.%I').
+            let sql = format!(
+                "SELECT to_jsonb(t) FROM {table} AS t \
+                  WHERE t.xmin::text::int8 = txid_current() % 4294967296 LIMIT {ROWS_SHOWN}"
+            );
+            client.query_typed(&sql, &[]).await?.iter().map(|row| row.get(0)).collect()
+        } else {
+            Vec::new()
+        };
+        changes.push(TableChange {
+            table: name,
+            inserted: r.get("inserted"),
+            updated: r.get("updated"),
+            deleted: r.get("deleted"),
+            rows,
+        });
+    }
+    Ok(changes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
