@@ -3,9 +3,11 @@
 //!
 //! The relay is the worker's division of labour over another table: the same producer
 //! ([`crate::producer::run`]) claims batches (transaction 1: SKIP LOCKED, attempt counted, lease,
-//! fencing token), each batch's rows are delivered concurrently outside any transaction, and then
-//! one statement marks the delivered rows published and one records the failures (each fenced by
-//! its claim, so a relay whose lease ran out never marks or fails a row another relay now holds).
+//! fencing token), each batch's rows are delivered concurrently outside any transaction, each row
+//! giving its place back to the producer as its delivery ends, and the rows that ended are marked
+//! published (one statement) and their failures recorded (another) in waves, as they end (each
+//! write fenced by its claim, so a relay whose lease ran out never marks or fails a row another
+//! relay now holds).
 //! Every statement is in `inbox_domain::inbox::store::outbox`.
 //!
 //! Delivery is at least once with a stable id (`webhook-id`, `Nats-Msg-Id` = the outbox id): a
