@@ -230,6 +230,19 @@ pub async fn run<W: Work>(
     tasks
 }
 
+/// After [`run`] returned: waits up to `timeout` for the tasks still in flight, then aborts the
+/// rest, saying `abandoned` (what becomes of their rows).
+pub async fn drain(mut in_flight: JoinSet<()>, timeout: Duration, abandoned: &str) {
+    tracing::info!(in_flight = in_flight.len(), "stopped claiming; draining");
+    let drained =
+        tokio::time::timeout(timeout, async { while in_flight.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(still_running = in_flight.len(), "shutdown timeout reached: abandoning {abandoned}");
+        in_flight.abort_all();
+        while in_flight.join_next().await.is_some() {}
+    }
+}
+
 impl Work for Context {
     type Row = Claimed;
 

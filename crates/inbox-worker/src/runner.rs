@@ -228,22 +228,13 @@ where
         outage: inbox_domain::db::OutageLog::new(settings.database.target()),
         wake_relays: producer::RelayWake::new(RELAY_NOTIFY_INTERVAL),
     });
-    let mut in_flight = producer::run(ctx, settings.capacity, settings.poll_interval, wake).await;
-
-    let pending = in_flight.len();
-    tracing::info!(in_flight = pending, "stopped claiming; draining");
-    let drained = tokio::time::timeout(settings.shutdown_timeout, async {
-        while in_flight.join_next().await.is_some() {}
-    })
+    let in_flight = producer::run(ctx, settings.capacity, settings.poll_interval, wake).await;
+    producer::drain(
+        in_flight,
+        settings.shutdown_timeout,
+        "events in flight (rolled back; retried after their lease)",
+    )
     .await;
-    if drained.is_err() {
-        tracing::warn!(
-            still_running = in_flight.len(),
-            "shutdown timeout reached: abandoning events in flight (rolled back; retried after their lease)"
-        );
-        in_flight.abort_all();
-        while in_flight.join_next().await.is_some() {}
-    }
     background.cancel();
     if let Some((handle, _)) = metrics_server {
         handle.stop(true).await;

@@ -417,20 +417,13 @@ where
         shutdown: shutdown.clone(),
         outage: OutageLog::new(settings.database.target()),
     });
-    let mut in_flight = crate::producer::run(relay, settings.capacity, settings.poll_interval, wake).await;
-    tracing::info!(in_flight = in_flight.len(), "stopped claiming; draining");
-    let drained = tokio::time::timeout(settings.shutdown_timeout, async {
-        while in_flight.join_next().await.is_some() {}
-    })
+    let in_flight = crate::producer::run(relay, settings.capacity, settings.poll_interval, wake).await;
+    crate::producer::drain(
+        in_flight,
+        settings.shutdown_timeout,
+        "deliveries in flight (delivered again after their lease)",
+    )
     .await;
-    if drained.is_err() {
-        tracing::warn!(
-            still_running = in_flight.len(),
-            "shutdown timeout reached: abandoning deliveries in flight (delivered again after their lease)"
-        );
-        in_flight.abort_all();
-        while in_flight.join_next().await.is_some() {}
-    }
     background.cancel();
     if let Some((handle, _)) = metrics_server {
         handle.stop(true).await;
