@@ -102,28 +102,11 @@ impl Receiver {
             stale_accepted: AtomicU64::new(0),
             connections: AtomicU64::new(0),
         });
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let shared = state.clone();
         let counted = state.clone();
-        let server = HttpServer::new(move || {
-            App::new()
-                .app_data(web::Data::from(shared.clone()))
-                .app_data(web::PayloadConfig::new(64 << 20))
-                .route("/hooks", web::post().to(receive))
-        })
-        .on_connect(move |_, _| {
+        let (url, handle) = serve(state.clone(), receive, move || {
             counted.connections.fetch_add(1, Ordering::Relaxed);
-        })
-        .workers(2)
-        .disable_signals()
-        .shutdown_timeout(1)
-        .listen(listener)
-        .unwrap()
-        .run();
-        let handle = server.handle();
-        tokio::spawn(server);
-        Receiver { url: format!("http://127.0.0.1:{port}/hooks"), state, handle }
+        });
+        Receiver { url, state, handle }
     }
 
     /// Answers from now on as `script` says.
@@ -174,6 +157,39 @@ impl Drop for Receiver {
         let handle = self.handle.clone();
         tokio::spawn(async move { handle.stop(false).await });
     }
+}
+
+/// Serves `POST /hooks` with `handler` (given `data`) on a free localhost port, two workers,
+/// calling `connected` for each TCP connection accepted; returns the URL and the server's handle.
+fn serve<T, F, Args>(
+    data: Arc<T>,
+    handler: F,
+    connected: impl Fn() + Send + Sync + 'static,
+) -> (String, actix_web::dev::ServerHandle)
+where
+    T: Send + Sync + 'static,
+    F: actix_web::Handler<Args> + Clone + Send + 'static,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(web::Data::from(data.clone()))
+            .app_data(web::PayloadConfig::new(64 << 20))
+            .route("/hooks", web::post().to(handler.clone()))
+    })
+    .on_connect(move |_, _| connected())
+    .workers(2)
+    .disable_signals()
+    .shutdown_timeout(1)
+    .listen(listener)
+    .unwrap()
+    .run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    (format!("http://127.0.0.1:{port}/hooks"), handle)
 }
 
 async fn receive(state: web::Data<State>, request: HttpRequest, body: web::Bytes) -> HttpResponse {
@@ -239,21 +255,8 @@ pub struct Counter {
 impl Counter {
     pub async fn start() -> Counter {
         let ids: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let shared = ids.clone();
-        let server = HttpServer::new(move || {
-            App::new().app_data(web::Data::from(shared.clone())).route("/hooks", web::post().to(count))
-        })
-        .workers(2)
-        .disable_signals()
-        .shutdown_timeout(1)
-        .listen(listener)
-        .unwrap()
-        .run();
-        let handle = server.handle();
-        tokio::spawn(server);
-        Counter { url: format!("http://127.0.0.1:{port}/hooks"), ids, handle }
+        let (url, handle) = serve(ids.clone(), count, || {});
+        Counter { url, ids, handle }
     }
 
     /// Requests answered.
