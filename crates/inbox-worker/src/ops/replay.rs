@@ -187,38 +187,62 @@ async fn replay_one(
         .map_err(db_error("marking the event processed"))?;
     // A row a person dismissed is applied after all: it is no longer "closed unapplied".
     admin::undismiss(&*tx, &event.endpoint, event_id).await.map_err(db_error("clearing the dismissal"))?;
-    let target = serde_json::json!({
-        "provider": PROVIDER_STRIPE,
-        "endpoint": event.endpoint,
-        "event_id": event_id,
-        "event_type": event.event_type,
-    });
+    let target = event_target(&event);
     let audit_id = admin::insert_audit(&*tx, args.actor.name(), "replay", &target, 1)
         .await
         .map_err(db_error("writing the audit record"))?;
     tx.commit().await.map_err(db_error("committing the replay"))?;
 
     if args.output.json {
-        #[derive(Serialize)]
-        struct Report<'a> {
-            action: &'static str,
-            endpoint: &'a str,
-            event_id: &'a str,
-            event_type: &'a str,
-            audit_id: i64,
-        }
-        return emit_json(&Report {
-            action: "replay",
-            endpoint: &event.endpoint,
-            event_id,
-            event_type: &event.event_type,
-            audit_id,
-        });
+        return emit_json(&OneReport::of("replay", &event, None, audit_id));
     }
     emit(&format!(
         "replayed event {event_id} (endpoint {}, {}): handler applied; audit record {audit_id}\n",
         event.endpoint, event.event_type
     ))
+}
+
+/// The audit target of a replay of one event.
+fn event_target(event: &InboxEvent) -> serde_json::Value {
+    serde_json::json!({
+        "provider": PROVIDER_STRIPE,
+        "endpoint": event.endpoint,
+        "event_id": event.event_id,
+        "event_type": event.event_type,
+    })
+}
+
+/// What `replay --event-id --json` prints (with `--dry-run`: nothing changed, and what would).
+#[derive(Serialize)]
+struct OneReport<'a> {
+    action: &'static str,
+    endpoint: &'a str,
+    event_id: &'a str,
+    event_type: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    changed: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    would_change: Option<&'a [admin::TableChange]>,
+    audit_id: i64,
+}
+
+impl<'a> OneReport<'a> {
+    fn of(
+        action: &'static str,
+        event: &'a InboxEvent,
+        would_change: Option<&'a [admin::TableChange]>,
+        audit_id: i64,
+    ) -> Self {
+        OneReport {
+            action,
+            endpoint: &event.endpoint,
+            event_id: &event.event_id,
+            event_type: &event.event_type,
+            changed: would_change.map(|_| false),
+            would_change,
+            audit_id,
+        }
+    }
 }
 
 /// Audits a `replay --event-id --dry-run` (what it would change, `affected` 0) and prints it.
@@ -236,36 +260,13 @@ async fn report_dry_run(
             (c.table.clone(), counts)
         })
         .collect();
-    let target = serde_json::json!({
-        "provider": PROVIDER_STRIPE,
-        "endpoint": event.endpoint,
-        "event_id": event.event_id,
-        "event_type": event.event_type,
-        "would_change": counts,
-    });
+    let mut target = event_target(event);
+    target["would_change"] = counts.into();
     let audit_id = admin::insert_audit(&***client, args.actor.name(), "replay-dry-run", &target, 0)
         .await
         .map_err(db_error("writing the audit record"))?;
     if args.output.json {
-        #[derive(Serialize)]
-        struct Report<'a> {
-            action: &'static str,
-            endpoint: &'a str,
-            event_id: &'a str,
-            event_type: &'a str,
-            changed: bool,
-            would_change: &'a [admin::TableChange],
-            audit_id: i64,
-        }
-        return emit_json(&Report {
-            action: "replay-dry-run",
-            endpoint: &event.endpoint,
-            event_id: &event.event_id,
-            event_type: &event.event_type,
-            changed: false,
-            would_change: changes,
-            audit_id,
-        });
+        return emit_json(&OneReport::of("replay-dry-run", event, Some(changes), audit_id));
     }
     let mut text = format!(
         "dry run of event {} (endpoint {}, {}): nothing changed (rolled back); audit record {audit_id}\n",
