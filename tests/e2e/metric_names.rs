@@ -87,6 +87,8 @@ async fn every_metric_the_alerts_and_the_dashboard_use_is_exported() {
         "inbox_outbox_parked",
         "inbox_outbox_oldest_pending_age_seconds",
         "inbox_relay_deliveries_total",
+        "inbox_reconciliation_items_open",
+        "inbox_ingest_last_stored_timestamp_seconds",
     ];
     for name in expected {
         assert!(alerts.contains(name), "alerts.yaml should use {name}: found {alerts:?}");

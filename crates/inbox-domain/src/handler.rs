@@ -239,13 +239,17 @@ impl Registry {
         Self::default()
     }
 
-    /// The invoice state machine of [`crate::invoice`].
+    /// The stock handlers: the invoice state machine of [`crate::invoice`], and [`crate::health`]'s
+    /// handler of `v2.core.health.event_generation_failure.resolved` (an event Stripe failed to
+    /// generate, recorded as a reconciliation item for a person). The one place they are
+    /// registered: the stock binary, `replay` and a team's binary built on this get the same set.
     pub fn with_invoice_handlers() -> Self {
         let mut registry = Self::new();
         crate::invoice::register(&mut registry);
         registry
     }
 
+        crate::health::register(&mut registry);
     /// Registers (or replaces) the handler of `event_type`; replacing it drops the type's
     /// set-based handler, if any.
     pub fn register(&mut self, event_type: &str, handler: impl Handler) -> &mut Self {
@@ -412,9 +416,9 @@ mod tests {
             .ignore("invoice.*");
         let filter = registry.claim_filter();
         // The narrower patterns are covered by customer.* and invoice.*; the handled invoice types
-        // are claimed through the prefix.
+        // are claimed through the prefix; the stock health handler's type by name.
         assert_eq!(filter.prefixes, ["customer.", "invoice."]);
-        assert_eq!(filter.exact, ["charge.succeeded"]);
+        assert_eq!(filter.exact, ["charge.succeeded", crate::health::EVENT_GENERATION_FAILURE_RESOLVED]);
         assert!(filter.claims("customer.subscription.created") && filter.claims("invoice.upcoming"));
         assert!(!filter.claims("charge.refunded") && !filter.claims("customerx.created"));
         assert!(registry.ignores("invoice.upcoming"), "no handler, a pattern matches");

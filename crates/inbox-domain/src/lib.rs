@@ -6,7 +6,8 @@
 //!
 //! **Handlers** ([`handler`]): the extension point — the [`handler::Handler`] trait and the
 //! [`handler::Registry`] of handlers by event type — and [`invoice`], the invoice business this
-//! project ships: a handler set like any application's own.
+//! project ships: a handler set like any application's own, registered with [`health`] (what
+//! Stripe failed to send becomes work for a person) as the stock handlers.
 //!
 //! **Process plumbing** shared by the binaries: the connection pool ([`db`]), logging
 //! ([`telemetry`]), the configuration pieces both read ([`config`]) and the bound on payload
@@ -16,6 +17,7 @@ pub mod budget;
 pub mod config;
 pub mod db;
 pub mod handler;
+pub mod health;
 pub mod inbox;
 pub mod invoice;
 pub mod telemetry;

@@ -1,7 +1,8 @@
 //! Prometheus metrics of the ingest, on an explicit registry (no global state).
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -52,6 +53,7 @@ pub struct Metrics {
     signature_failures: Family<SignatureLabels, Counter>,
     verified: Family<SecretLabels, Counter>,
     unstorable: Family<EndpointLabel, Counter>,
+    last_stored: Family<EndpointLabel, Gauge<f64, AtomicU64>>,
     batch_size: Histogram,
     body_bytes_held: Gauge,
 }
@@ -96,6 +98,13 @@ impl Metrics {
             "Verified bodies PostgreSQL's jsonb refused: kept byte for byte and parked for a person",
             unstorable.clone(),
         );
+        let last_stored = Family::<EndpointLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "inbox_ingest_last_stored_timestamp_seconds",
+            "Unix time at which this process last stored a new event for the endpoint (accepted, held \
+             or unstorable; not a duplicate); absent until its first since the process started",
+            last_stored.clone(),
+        );
         let batch_size =
             Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1.0, 2.0, 9));
         registry.register(
@@ -118,6 +127,7 @@ impl Metrics {
             signature_failures,
             verified,
             unstorable,
+            last_stored,
             batch_size,
         }
     }
@@ -141,6 +151,22 @@ impl Metrics {
 
     pub fn unstorable(&self, endpoint: &str) {
         self.unstorable.get_or_create(&EndpointLabel { endpoint: endpoint.to_owned() }).inc();
+    }
+
+    /// Sets the endpoint's `inbox_ingest_last_stored_timestamp_seconds` to now: a row was newly
+    /// stored for it. A duplicate does not count: the gauge answers "when did Stripe last send this
+    /// endpoint an event we did not have?", which is what a disabled endpoint stops and what
+    /// `reconcile --since` needs (the newest event the inbox holds from this endpoint). Stripe
+    /// redelivering an event we already stored — retries of a slow answer, resends from the
+    /// Dashboard — would keep the gauge moving while no new event arrives. Not registered at
+    /// start, unlike the counters: a time the endpoint never stored would read as 1970, and the
+    /// alert takes the series' maximum over days, which an ingest restart (the gauge absent until
+    /// its next event) does not lower.
+    pub fn stored(&self, endpoint: &str) {
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        self.last_stored
+            .get_or_create(&EndpointLabel { endpoint: endpoint.to_owned() })
+            .set(now.as_secs_f64());
     }
 
     pub fn record(&self, endpoint: &str, outcome: &'static str, elapsed: Duration) {

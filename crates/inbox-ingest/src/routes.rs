@@ -56,6 +56,9 @@ pub async fn receive_webhook(
             if stored.outcome == InsertOutcome::Unstorable {
                 state.metrics.unstorable(label);
             }
+            if stored.outcome != InsertOutcome::Duplicate {
+                state.metrics.stored(label);
+            }
             tracing::info!(outcome, elapsed_ms = inbox_domain::telemetry::millis(elapsed), "webhook stored");
         }
         Err(e) => {

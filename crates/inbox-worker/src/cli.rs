@@ -113,6 +113,9 @@ pub enum Command {
     /// Check a stored event against the signature kept with its raw body (ingest --keep-raw):
     /// which configured secret made it, and that the payload is the signed body.
     Verify(ops::verify::Args),
+    /// List the reconciliation items a person must settle (open ones; --all for every one), or
+    /// close one: `reconciliation resolve --id N --note TEXT` (audited).
+    Reconciliation(ops::reconciliation::Args),
     /// Deliver outbox rows to an HTTP receiver (Standard Webhooks signing) or NATS JetStream
     /// until SIGTERM/SIGINT, and mark them published.
     Relay(crate::relay::RelayArgs),
@@ -130,6 +133,7 @@ impl Command {
             Command::Dismiss(a) => a.output.json,
             Command::Purge(a) => a.output.json,
             Command::Verify(a) => a.output.json,
+            Command::Reconciliation(a) => a.json(),
             Command::Migrate | Command::Run(_) | Command::Relay(_) => false,
         }
     }

@@ -118,6 +118,9 @@ pub struct Metrics {
     pub needs_review: Gauge,
     pub no_handler: Gauge,
     pub oldest_unprocessed_age_seconds: Gauge<f64, AtomicU64>,
+    /// Open reconciliation items: counted by every worker itself (a cheap index count, see
+    /// `store::reconciliation::open_count`), not shared through `queue_gauges`.
+    pub reconciliation_items_open: Gauge,
     /// What `/healthz` reports.
     pub heartbeat: Heartbeat,
 }
@@ -181,6 +184,12 @@ impl Metrics {
             "Age of the oldest unprocessed row (0 when none)",
             oldest_unprocessed_age_seconds.clone(),
         );
+        let reconciliation_items_open = Gauge::default();
+        registry.register(
+            "inbox_reconciliation_items_open",
+            "Reconciliation items no person has resolved yet (inbox-worker reconciliation lists them)",
+            reconciliation_items_open.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             events,
@@ -193,6 +202,7 @@ impl Metrics {
             needs_review,
             no_handler,
             oldest_unprocessed_age_seconds,
+            reconciliation_items_open,
             heartbeat: Heartbeat::new(),
         }
     }

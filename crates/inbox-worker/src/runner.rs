@@ -11,7 +11,7 @@ use inbox_domain::db::{
     abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions,
 };
 use inbox_domain::handler::Registry;
-use inbox_domain::inbox::store::{gauges, workers};
+use inbox_domain::inbox::store::{gauges, reconciliation, workers};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
@@ -379,6 +379,35 @@ async fn refresh_gauges(
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(metrics::GAUGE_INTERVAL) => {}
+        }
+        refresh_open_items(&pool, &database, &metrics).await;
+    }
+}
+
+/// Counts the open reconciliation items for `inbox_reconciliation_items_open`, on a connection of
+/// its own: a failure here (a role without SELECT on reconciliation_items, say) leaves the queue
+/// gauges as they are. Every worker counts (an index count of the open items, see
+/// `store::reconciliation::open_count`); a count that outlives the interval is abandoned as above.
+async fn refresh_open_items(pool: &deadpool_postgres::Pool, database: &DatabaseConfig, metrics: &Metrics) {
+    let client = match pool.get().await {
+        Ok(client) => client,
+        Err(e) => {
+            tracing::debug!(error = %describe_pool_error(&e), "counting open reconciliation items: no connection");
+            return;
+        }
+    };
+    let count = reconciliation::open_count(&client, metrics::GAUGE_INTERVAL);
+    match tokio::time::timeout(metrics::GAUGE_INTERVAL, count).await {
+        Ok(Ok(open)) => {
+            metrics.reconciliation_items_open.set(open);
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(error = %describe_db_error(&e), "counting open reconciliation items failed");
+            drop(deadpool_postgres::Object::take(client));
+        }
+        Err(_) => {
+            tracing::debug!("counting open reconciliation items timed out: cancelled");
+            abandon(client, database);
         }
     }
 }

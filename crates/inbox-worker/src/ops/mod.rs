@@ -1,10 +1,10 @@
 //! The operator commands, one module each: `migrate`, `stats`, `needs-review`, `requeue`,
-//! `replay`, `dismiss`, `purge`, `verify`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
+//! `replay`, `dismiss`, `purge`, `verify`, `reconciliation`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
 //! the store (`inbox_domain::inbox::store::admin`) and presents the result with [`output`]: a table
 //! on stdout, or one JSON document with `--json`. A refusal is an error saying why (the binary
 //! prints `<name>: error: …` and exits 1).
 //!
-//! Every change an operator makes (requeue, replay, dismiss, purge) is recorded in `operator_audit`, in
+//! Every change an operator makes (requeue, replay, dismiss, purge, reconciliation resolve) is recorded in `operator_audit`, in
 //! the same transaction as the change, so the audit and the change commit together or not at all:
 //! one record for a change of one event; for a command that works in batches (`requeue --all`,
 //! `purge`) a record when it starts, then one per batch (see `admin::INSERT_AUDIT_SQL`).
@@ -16,6 +16,7 @@ pub mod needs_review;
 mod outbox;
 pub mod output;
 pub mod purge;
+pub mod reconciliation;
 pub mod replay;
 pub mod requeue;
 pub mod stats;
@@ -120,6 +121,11 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Replay(args) => args.actor.fill(),
         Command::Dismiss(args) => args.actor.fill(),
         Command::Purge(args) => args.actor.fill(),
+        Command::Reconciliation(args) => {
+            if let Some(reconciliation::Action::Resolve(resolve)) = &mut args.action {
+                resolve.actor.fill()
+            }
+        }
         _ => {}
     }
     let mut conn = connect(database).await?;
@@ -145,6 +151,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Dismiss(args) => dismiss::run(&mut conn, &args).await,
         Command::Purge(args) => purge::run(&mut conn, &args).await,
         Command::Verify(args) => verify::run(&**conn, &args).await,
+        Command::Reconciliation(args) => reconciliation::run(&mut conn, &args).await,
         Command::Run(_) | Command::Relay(_) => unreachable!("`run` and `relay` are not operator commands"),
     }
 }

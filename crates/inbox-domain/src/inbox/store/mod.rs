@@ -9,7 +9,9 @@
 //!   (and give back the attempts of claims that never ran or were interrupted);
 //! * [`admin`]: what operators read and change — statistics, parked rows, requeue, replay, purge,
 //!   the audit trail — and the queue gauges' count;
-//! * [`gauges`]: who counts the queue gauges (one worker per interval) and how the others read them.
+//! * [`gauges`]: who counts the queue gauges (one worker per interval) and how the others read them;
+//! * [`reconciliation`]: the reconciliation items as a person's work — listing them, closing one
+//!   (audited), and the count of open ones each worker exports.
 //!
 //! # The states of a row
 //! Every unprocessed row is in exactly one of these:
@@ -114,6 +116,7 @@ pub mod gauges;
 pub mod ingest;
 pub mod outbox;
 pub mod queue;
+pub mod reconciliation;
 pub mod workers;
 
 /// The identity of an inbox row.
