@@ -24,6 +24,7 @@ mod regressions;
 mod relay;
 mod relay_nats;
 mod roles;
+mod stripe_client;
 mod stripe_shapes;
 mod tls;
 mod worker_health;

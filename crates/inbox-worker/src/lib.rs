@@ -66,6 +66,7 @@ pub mod producer;
 pub mod relay;
 #[doc(hidden)]
 pub mod runner;
+pub mod stripe;
 
 /// What a handler needs, and what a worker binary registers.
 pub mod prelude {

@@ -208,7 +208,7 @@ fn header_value(text: &str) -> HeaderValue {
 }
 
 /// `Retry-After`: seconds, or an HTTP date.
-fn parse_retry_after(value: &HeaderValue) -> Option<Duration> {
+pub(crate) fn parse_retry_after(value: &HeaderValue) -> Option<Duration> {
     let text = value.to_str().ok()?.trim();
     if let Ok(seconds) = text.parse::<u64>() {
         return Some(Duration::from_secs(seconds));
