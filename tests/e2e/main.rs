@@ -19,6 +19,7 @@ mod metric_names;
 mod migrate;
 mod operator;
 mod pgbouncer;
+mod reconcile;
 mod reconciliation;
 mod regressions;
 mod relay;

@@ -31,6 +31,19 @@ impl EndpointMode {
         livemode == Some(self == EndpointMode::Live)
     }
 
+    /// Why an event of `livemode` is held on arrival at `endpoint` of this mode (the message a
+    /// person reads in `needs-review`), or `None` when it belongs here. The ingest and
+    /// `reconcile` hold the same events with the same words.
+    pub fn hold_reason(self, endpoint: &str, livemode: Option<bool>) -> Option<String> {
+        (!self.admits(livemode)).then(|| {
+            format!(
+                "livemode: the event's livemode is {} and endpoint {endpoint} is declared {}: stored, not applied",
+                livemode.map_or("absent", |live| if live { "true" } else { "false" }),
+                self.as_str()
+            )
+        })
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             EndpointMode::Live => "live",

@@ -177,14 +177,7 @@ async fn receive(
     span.record("event_id", head.id.as_ref());
     span.record("event_type", head.event_type.as_ref());
 
-    let livemode_hold = match config.mode {
-        Some(mode) if !mode.admits(head.livemode) => Some(format!(
-            "livemode: the event's livemode is {} and endpoint {endpoint} is declared {}: stored, not applied",
-            head.livemode.map_or("absent", |live| if live { "true" } else { "false" }),
-            mode.as_str()
-        )),
-        _ => None,
-    };
+    let livemode_hold = config.mode.and_then(|mode| mode.hold_reason(endpoint, head.livemode));
     let held_kind = livemode_hold.as_ref().map(|_| Held::Livemode);
     let event = Verified {
         endpoint,

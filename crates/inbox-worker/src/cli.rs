@@ -49,6 +49,16 @@ impl Cli {
                 "INBOX_RELAY_SECRET or --signing-secret-file",
             ));
         }
+        if let Some((name, sub)) = matches.subcommand() {
+            if sub.try_get_one::<String>("api_key").is_ok_and(|v| v.is_some())
+                && sub.value_source("api_key") == Some(clap::parser::ValueSource::CommandLine)
+            {
+                cli.global.secret_flags.push(inbox_domain::config::secret_flag_warning(
+                    &format!("{name} --api-key"),
+                    "STRIPE_API_KEY or --api-key-file",
+                ));
+            }
+        }
         if matches.subcommand_matches("verify").is_some_and(|verify| {
             verify.value_source("secrets") == Some(clap::parser::ValueSource::CommandLine)
         }) {
@@ -116,6 +126,9 @@ pub enum Command {
     /// List the reconciliation items a person must settle (open ones; --all for every one), or
     /// close one: `reconciliation resolve --id N --note TEXT` (audited).
     Reconciliation(ops::reconciliation::Args),
+    /// Store the events Stripe's API lists that the inbox lacks for an endpoint (an outage, a
+    /// disabled endpoint, a database failover); resumes an interrupted run.
+    Reconcile(ops::reconcile::Args),
     /// Deliver outbox rows to an HTTP receiver (Standard Webhooks signing) or NATS JetStream
     /// until SIGTERM/SIGINT, and mark them published.
     Relay(crate::relay::RelayArgs),
@@ -134,6 +147,7 @@ impl Command {
             Command::Purge(a) => a.output.json,
             Command::Verify(a) => a.output.json,
             Command::Reconciliation(a) => a.json(),
+            Command::Reconcile(a) => a.output.json,
             Command::Migrate | Command::Run(_) | Command::Relay(_) => false,
         }
     }
@@ -191,4 +205,52 @@ pub struct RunArgs {
     /// After SIGTERM/SIGINT, how long in-flight events may take to finish.
     #[arg(long, env = "INBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
+}
+
+/// How a command reaches Stripe's API (`reconcile`, `fetch`).
+#[derive(Debug, Args, Clone)]
+pub struct StripeArgs {
+    /// Stripe API key: a restricted key (rk_…) with read access to what the command reads (Events
+    /// for reconcile; the objects thin events name for fetch) is enough. Prefer STRIPE_API_KEY or
+    /// --api-key-file: a flag shows in the process list.
+    #[arg(long, env = "STRIPE_API_KEY", hide_env_values = true, value_name = "KEY")]
+    pub api_key: Option<String>,
+
+    /// A file holding the API key (a mounted secret); read at start.
+    #[arg(long, env = "STRIPE_API_KEY_FILE", value_name = "PATH")]
+    pub api_key_file: Option<std::path::PathBuf>,
+
+    /// Where Stripe's API is (a local server in tests).
+    #[arg(long, env = "STRIPE_API_BASE", default_value = crate::stripe::DEFAULT_API_BASE, value_name = "URL")]
+    pub api_base: String,
+
+    /// Stripe-Version to ask for [default: the account's]. Events keep the version they were
+    /// created with; fetched objects follow this.
+    #[arg(long, env = "STRIPE_API_VERSION", value_name = "VERSION")]
+    pub api_version: Option<String>,
+
+    /// How long one request to Stripe may take (it is retried after that).
+    #[arg(long, env = "STRIPE_API_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub api_timeout: Duration,
+}
+
+impl StripeArgs {
+    /// The client these flags describe; refuses a missing or malformed key without echoing it.
+    pub fn client(&self) -> anyhow::Result<crate::stripe::Client> {
+        let key = match (&self.api_key, &self.api_key_file) {
+            (Some(key), None) => key.clone(),
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("reading --api-key-file {}: {e}", path.display()))?,
+            (Some(_), Some(_)) => anyhow::bail!("give the Stripe API key once: --api-key (STRIPE_API_KEY) or --api-key-file"),
+            (None, None) => anyhow::bail!(
+                "no Stripe API key: set STRIPE_API_KEY or --api-key-file (a restricted rk_… key with read access is enough)"
+            ),
+        };
+        let key = crate::stripe::ApiKey::new(&key).map_err(|e| anyhow::anyhow!("STRIPE_API_KEY: {e}"))?;
+        let mut config = crate::stripe::Config::new(key);
+        config.base = self.api_base.clone();
+        config.timeout = self.api_timeout;
+        config.api_version = self.api_version.clone().filter(|v| !v.trim().is_empty());
+        crate::stripe::Client::new(config)
+    }
 }

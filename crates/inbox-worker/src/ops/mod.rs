@@ -1,5 +1,5 @@
 //! The operator commands, one module each: `migrate`, `stats`, `needs-review`, `requeue`,
-//! `replay`, `dismiss`, `purge`, `verify`, `reconciliation`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
+//! `replay`, `dismiss`, `purge`, `verify`, `reconcile`, `reconciliation`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
 //! the store (`inbox_domain::inbox::store::admin`) and presents the result with [`output`]: a table
 //! on stdout, or one JSON document with `--json`. A refusal is an error saying why (the binary
 //! prints `<name>: error: …` and exits 1).
@@ -16,6 +16,7 @@ pub mod needs_review;
 mod outbox;
 pub mod output;
 pub mod purge;
+pub mod reconcile;
 pub mod reconciliation;
 pub mod replay;
 pub mod requeue;
@@ -126,6 +127,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
                 resolve.actor.fill()
             }
         }
+        Command::Reconcile(args) if !args.dry_run => args.actor.fill(),
         _ => {}
     }
     let mut conn = connect(database).await?;
@@ -152,6 +154,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Purge(args) => purge::run(&mut conn, &args).await,
         Command::Verify(args) => verify::run(&**conn, &args).await,
         Command::Reconciliation(args) => reconciliation::run(&mut conn, &args).await,
+        Command::Reconcile(args) => reconcile::run(&mut conn, registry, &args).await,
         Command::Run(_) | Command::Relay(_) => unreachable!("`run` and `relay` are not operator commands"),
     }
 }

@@ -27,19 +27,25 @@ use crate::inbox::event::{JsonBytes, RawBytes};
 /// the raw bytes and their signature, NULL unless `--keep-raw`, are not sent here but by
 /// [`INSERT_EVENTS_RAW_SQL`]. For the same reason the table has no CHECK constraint (see
 /// migration V6).
-pub const INSERT_EVENTS_SQL: &str = insert_events_sql!("", "", "");
+pub const INSERT_EVENTS_SQL: &str = insert_events_sql!("", "", "", "");
 
 /// [`INSERT_EVENTS_SQL`] that also keeps the exact bytes and the `v1` signature that matched
 /// (`--keep-raw`): two more arrays, `$11` and `$12`.
 pub const INSERT_EVENTS_RAW_SQL: &str = insert_events_sql!(
     ", raw_body, signature_v1",
     ", e.raw_body, e.signature_v1",
-    ", $11::bytea[], $12::bytea[]"
+    ", $11::bytea[], $12::bytea[]",
+    ", raw_body, signature_v1"
 );
 
-/// The text of [`INSERT_EVENTS_SQL`], with extra columns, their values and their arrays.
+/// [`INSERT_EVENTS_SQL`] for events `reconcile` found in Stripe's API: the same key, the same
+/// deduplication and holds, `source` 'api', and NULL in the signature's arrays (there was none).
+pub const INSERT_API_EVENTS_SQL: &str = insert_events_sql!(", source", ", 'api'", "", "");
+
+/// The text of [`INSERT_EVENTS_SQL`], with extra columns, their values, the arrays that carry them
+/// and those arrays' names (a constant value needs no array).
 macro_rules! insert_events_sql {
-    ($columns:literal, $values:literal, $arrays:literal) => {
+    ($columns:literal, $values:literal, $arrays:literal, $aliases:literal) => {
         concat!(
             "\
 INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes,
@@ -57,7 +63,7 @@ SELECT $1, e.endpoint, e.event_id, e.event_type, e.payload, e.payload_bytes,
             ")
        AS e(endpoint, event_id, event_type, payload, payload_bytes,
             reason, secret_position, secret_fingerprint, signature_t",
-            $columns,
+            $aliases,
             ")
 ON CONFLICT (provider, endpoint, event_id) DO NOTHING
 RETURNING endpoint, event_id"

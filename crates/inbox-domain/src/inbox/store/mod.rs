@@ -9,6 +9,8 @@
 //!   (and give back the attempts of claims that never ran or were interrupted);
 //! * [`admin`]: what operators read and change — statistics, parked rows, requeue, replay, purge,
 //!   the audit trail — and the queue gauges' count;
+//! * [`reconcile`]: events found in Stripe's API that the inbox lacks, and the runs of
+//!   `reconcile` that find them (resumable);
 //! * [`gauges`]: who counts the queue gauges (one worker per interval) and how the others read them;
 //! * [`reconciliation`]: the reconciliation items as a person's work — listing them, closing one
 //!   (audited), and the count of open ones each worker exports.
@@ -116,6 +118,7 @@ pub mod gauges;
 pub mod ingest;
 pub mod outbox;
 pub mod queue;
+pub mod reconcile;
 pub mod reconciliation;
 pub mod workers;
 
