@@ -231,6 +231,9 @@ pub struct Registry {
     ignored: Vec<EventTypePattern>,
     /// The application's own migrations, applied by `migrate` after the inbox's.
     migrations: Option<Migrations>,
+    /// Types whose handler needs the current state of the object the event names (thin events):
+    /// `fetch` applies them after fetching it, `run` leaves them ([`Registry::register_fetched`]).
+    fetched: std::collections::BTreeSet<String>,
 }
 
 impl Registry {
@@ -246,16 +249,56 @@ impl Registry {
     pub fn with_invoice_handlers() -> Self {
         let mut registry = Self::new();
         crate::invoice::register(&mut registry);
+        crate::health::register(&mut registry);
         registry
     }
 
-        crate::health::register(&mut registry);
     /// Registers (or replaces) the handler of `event_type`; replacing it drops the type's
     /// set-based handler, if any.
     pub fn register(&mut self, event_type: &str, handler: impl Handler) -> &mut Self {
         self.handlers.insert(event_type.to_owned(), Arc::new(handler));
         self.batch_handlers.remove(event_type);
+        self.fetched.remove(event_type);
         self
+    }
+
+    /// Registers the handler of a thin event type whose handler needs the object the event names
+    /// as it is now: `inbox-worker fetch` claims these events, fetches each object once for every
+    /// event about it that is waiting (`related_object.url`, with the event's account context),
+    /// stores the snapshot, then runs the handler, which reads it with
+    /// `inbox_worker::fetch::snapshot`. `run` does not claim these types.
+    pub fn register_fetched(&mut self, event_type: &str, handler: impl Handler) -> &mut Self {
+        self.register(event_type, handler);
+        self.fetched.insert(event_type.to_owned());
+        self
+    }
+
+    /// The types registered with [`Registry::register_fetched`], sorted.
+    pub fn fetched_types(&self) -> Vec<&str> {
+        self.fetched.iter().map(String::as_str).collect()
+    }
+
+    /// What `run` applies: this registry without the fetched types (which `fetch` applies).
+    pub fn without_fetched(&self) -> Registry {
+        let mut registry = self.clone();
+        for t in &self.fetched {
+            registry.handlers.remove(t);
+            registry.batch_handlers.remove(t);
+        }
+        registry.fetched.clear();
+        registry
+    }
+
+    /// What `fetch` applies: only the fetched types, nothing ignored.
+    pub fn only_fetched(&self) -> Registry {
+        let mut registry = Registry::new();
+        for t in &self.fetched {
+            if let Some(handler) = self.handlers.get(t) {
+                registry.handlers.insert(t.clone(), handler.clone());
+            }
+            registry.fetched.insert(t.clone());
+        }
+        registry
     }
 
     /// The handler of `event_type`, if any.

@@ -126,6 +126,9 @@ pub enum Command {
     /// List the reconciliation items a person must settle (open ones; --all for every one), or
     /// close one: `reconciliation resolve --id N --note TEXT` (audited).
     Reconciliation(ops::reconciliation::Args),
+    /// Apply the thin events whose handler needs their object (Registry::register_fetched):
+    /// fetch each object once per burst, keep the snapshot, then process like `run`.
+    Fetch(crate::fetch::FetchArgs),
     /// Store the events Stripe's API lists that the inbox lacks for an endpoint (an outage, a
     /// disabled endpoint, a database failover); resumes an interrupted run.
     Reconcile(ops::reconcile::Args),
@@ -148,7 +151,7 @@ impl Command {
             Command::Verify(a) => a.output.json,
             Command::Reconciliation(a) => a.json(),
             Command::Reconcile(a) => a.output.json,
-            Command::Migrate | Command::Run(_) | Command::Relay(_) => false,
+            Command::Migrate | Command::Run(_) | Command::Relay(_) | Command::Fetch(_) => false,
         }
     }
 }

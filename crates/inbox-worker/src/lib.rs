@@ -56,6 +56,7 @@ pub mod completer;
 pub mod conn;
 #[doc(hidden)]
 pub mod executor;
+pub mod fetch;
 mod listener;
 #[doc(hidden)]
 pub mod metrics;
@@ -74,6 +75,7 @@ pub mod prelude {
     pub use inbox_domain::handler::{BatchHandler, Handler, HandlerError, HandlerFuture, Registry};
     pub use inbox_domain::inbox::event::{InboxEvent, RelatedObject};
     pub use inbox_domain::inbox::schema::Migrations;
+    pub use crate::fetch::{snapshot, Snapshot};
 }
 
 /// The whole worker binary with `registry`'s handlers and migrations: parses the command line
@@ -133,9 +135,45 @@ async fn dispatch(cli: cli::Cli, mut registry: Registry, program: &str) -> anyho
                 let pattern = pattern.parse().map_err(|e| anyhow::anyhow!("--ignore / INBOX_IGNORE: {e}"))?;
                 registry.ignore_pattern(pattern);
             }
+            // Thin events whose handler needs their object are `fetch`'s: an ignore pattern that
+            // covers one would have `run` mark it processed with no effect, and it would be lost.
+            for fetched in registry.fetched_types() {
+                if let Some(pattern) = registry.ignore_patterns().iter().find(|p| p.matches(fetched)) {
+                    anyhow::bail!(
+                        "the ignore pattern {pattern} (--ignore / INBOX_IGNORE / Registry::ignore) covers \
+                         {fetched}, which {program} applies with `fetch` (Registry::register_fetched): `run` \
+                         would mark it processed without its handler. Use patterns that leave it out \
+                         (a prefix such as customer.*, or the types one by one)"
+                    );
+                }
+            }
             let mut settings = runner::Settings::from_args(database, args.max_attempts, &args)?;
             settings.program = program.to_owned();
-            runner::run(settings, registry, runner::os_signals()).await
+            runner::run(settings, registry.without_fetched(), runner::os_signals()).await
+        }
+        cli::Command::Fetch(args) => {
+            if args.run.ignore.iter().any(|p| !p.trim().is_empty()) {
+                tracing::warn!(
+                    "fetch applies only the types registered with Registry::register_fetched: \
+                     --ignore / INBOX_IGNORE does not apply to it"
+                );
+            }
+            let fetched = registry.only_fetched();
+            anyhow::ensure!(
+                !fetched.event_types().is_empty(),
+                "{program} registers no event type with Registry::register_fetched: nothing for fetch to apply"
+            );
+            let mut settings = runner::Settings::from_args(database, args.run.max_attempts, &args.run)?;
+            settings.program = program.to_owned();
+            let db_timeout = args.run.statement_timeout.max(std::time::Duration::from_secs(5));
+            settings.fetcher =
+                Some(std::sync::Arc::new(fetch::Fetcher::new(
+                args.stripe.client()?,
+                args.max_fetches,
+                db_timeout,
+                args.run.lease,
+            )));
+            runner::run(settings, fetched, runner::os_signals()).await
         }
         cli::Command::Relay(args) => {
             let settings = relay::Settings::from_args(database, &args)?;

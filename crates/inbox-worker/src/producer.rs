@@ -41,6 +41,8 @@ pub struct Context {
     /// Wakes the relays after a batch that processed events: their handlers may have written
     /// outbox rows, which the relays then look for at once.
     pub wake_relays: RelayWake,
+    /// `fetch`: gets the objects a batch's thin events name before the batch is applied.
+    pub fetcher: Option<Arc<crate::fetch::Fetcher>>,
 }
 
 /// At most one wake-up of the relays (`NOTIFY outbox`) per interval from this worker, sent by the
@@ -356,7 +358,33 @@ async fn process_batch(ctx: &Context, claimed: Vec<Claimed>) {
     let n = claimed.len() as i64;
     ctx.metrics.in_flight.inc_by(n);
     let started = Instant::now();
-    let outcomes = executor::execute_batch(&mut conn, &ctx.registry, &claimed, &ctx.limits).await;
+    // `fetch`: the objects first, outside any transaction; rows whose object could not be had
+    // fail their attempt without running.
+    let (claimed, fetch_failures) = match &ctx.fetcher {
+        None => (claimed, Vec::new()),
+        Some(fetcher) => match fetcher.prepare(&ctx.pool, claimed.clone()).await {
+            Ok(prepared) => (prepared.ready, prepared.failed),
+            Err(error) => {
+                let error = format!("interrupted, attempt not counted: {error}");
+                (Vec::new(), claimed.into_iter().map(|c| (c, error.clone())).collect())
+            }
+        },
+    };
+    let mut outcomes = if claimed.is_empty() {
+        conn.set_clean(true);
+        Vec::new()
+    } else {
+        executor::execute_batch(&mut conn, &ctx.registry, &claimed, &ctx.limits).await
+    };
+    let mut claimed = claimed;
+    for (row, error) in fetch_failures {
+        outcomes.push(if error.starts_with("interrupted") {
+            Outcome::Interrupted(error)
+        } else {
+            Outcome::Failed(error)
+        });
+        claimed.push(row);
+    }
     let elapsed = started.elapsed();
     ctx.metrics.in_flight.dec_by(n);
     if outcomes.contains(&Outcome::Processed) && conn.is_clean() && ctx.wake_relays.due() {

@@ -34,6 +34,8 @@ pub struct Settings {
     pub shutdown_timeout: Duration,
     /// The binary's name, recorded with what this worker claims (`inbox_workers.program`).
     pub program: String,
+    /// `fetch`: what gets the objects of thin events before their batch is applied.
+    pub fetcher: Option<Arc<crate::fetch::Fetcher>>,
 }
 
 impl Settings {
@@ -77,6 +79,7 @@ impl Settings {
             metrics_listen: args.metrics_listen,
             shutdown_timeout: args.shutdown_timeout,
             program: "inbox-worker".to_owned(),
+            fetcher: None,
         })
     }
 }
@@ -227,6 +230,7 @@ where
         shutdown: shutdown.clone(),
         outage: inbox_domain::db::OutageLog::new(settings.database.target()),
         wake_relays: producer::RelayWake::new(RELAY_NOTIFY_INTERVAL),
+        fetcher: settings.fetcher.clone(),
     });
     let in_flight = producer::run(ctx, settings.capacity, settings.poll_interval, wake).await;
     producer::drain(
@@ -376,11 +380,11 @@ async fn refresh_gauges(
                 }
             }
         }
+        refresh_open_items(&pool, &database, &metrics).await;
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(metrics::GAUGE_INTERVAL) => {}
         }
-        refresh_open_items(&pool, &database, &metrics).await;
     }
 }
 

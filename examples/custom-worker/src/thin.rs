@@ -1,58 +1,100 @@
 //! Thin events: Stripe's v2 events (`"object": "v2.core.event"`) carry no snapshot of the object
 //! they are about, only its `related_object {id, type, url}` and, for a connected account's
 //! event, the account in `context`. What changed is whatever the object looks like *now*, so the
-//! team fetches it from Stripe's API — but never here.
+//! object is fetched from Stripe's API — by the library's `fetch`, before the handler runs, never
+//! by the handler.
 //!
-//! # Why the handler only queues
-//! The handler runs inside the worker's transaction, which holds the batch's row locks and marks
-//! the events processed when it commits. A call to Stripe there would hold those locks for as long
-//! as Stripe takes, be made again on every retry, and could not be taken back by a rollback
-//! (`docs/handlers.md`, "What a handler must never do"). So [`QueueFetch`] records in
-//! `stripe_fetches` (`migrations/V2__stripe_fetches.sql`), in the transaction, that the object
-//! must be fetched, and a separate process — not part of this example; the README says how it
-//! works — fetches `GET https://api.stripe.com{url}` with `Stripe-Context: {account}` after the
-//! commit and applies the current object in a transaction of its own.
+//! # How `fetch` works, and why the call stays out of the transaction
+//! The types are registered with `Registry::register_fetched` (`main.rs`). `custom-worker run`
+//! leaves their events; `custom-worker fetch` claims them the way `run` claims the others (the
+//! same claim, lease and fence, attempts and parking). Before a claimed batch's transaction it
+//! reads which object each event names and GETs each object **once** for every event about it
+//! in the batch — `GET https://api.stripe.com{url}`, with `Stripe-Context: {account}` for a connected
+//! account's event, retried by the client on 429 and 5xx — and none at all when the object's
+//! kept snapshot was taken after the event arrived. It keeps the answer (a 404 as "gone") in the
+//! inbox's `stripe_object_snapshots`, and then applies the batch like `run`: [`RecordObject`]
+//! reads the snapshot with [`snapshot`] in the worker's transaction and writes it to this
+//! binary's `stripe_objects` (`migrations/V3__stripe_objects.sql`), and the event is marked
+//! processed in the same commit.
 //!
-//! # Why one row per object
-//! The fetch reads the object's current state, so one fetch answers every event about the object
-//! that came before it, in any order: [`QUEUE_FETCH_SQL`] upserts one row per object id and, on
-//! every event, makes the fetch due again (`fetched_at` back to NULL) and records the event.
-//! Duplicates, redeliveries, replays and out-of-order events cost at most one more fetch, never a
-//! wrong state.
+//! The GET is made before the transaction, not in the handler: the handler runs inside the
+//! transaction that holds the batch's row locks, so a call to Stripe there would hold them for as
+//! long as Stripe takes, be made again by every retry of the batch, and could not be taken back by
+//! a rollback (`docs/handlers.md`, "What a handler must never do"). A fetch that fails after the
+//! client's retries (Stripe down, a key without the permission) fails the attempt of the events
+//! about that object, with the reason as their `last_error`: retried with backoff, parked at the
+//! limit, listed by `needs-review`, like any failure.
+//!
+//! # Why one row per object, and why the later `as_of` wins
+//! The snapshot is the object's current state, so one answers every event about the object that
+//! arrived before it was taken, in any order: [`RECORD_OBJECT_SQL`] upserts one row per object id
+//! and replaces it only with a snapshot taken later (`as_of`). Duplicates, redeliveries, replays
+//! and out-of-order events leave the newest state seen; a replay re-applies the kept snapshot
+//! (no fetch), so it rebuilds a lost row and changes nothing else.
 
 use inbox_worker::prelude::*;
+use serde::Deserialize;
 
-/// The thin event types the handler is registered for.
+/// The thin event types the handler is registered for (with `Registry::register_fetched`).
 pub const EVENT_TYPES: [&str; 2] = ["v1.billing.meter.error_report_triggered", "v2.core.account.updated"];
 
-/// Queues a fetch of object `$1` (type `$2`, API path `$3`, connected account `$4` or NULL) for
-/// event `$5`, in one statement: the first event about the object inserts its row; every later
-/// one makes the fetch due again — `fetched_at` back to NULL, `queued_at` renewed — and records
-/// itself as the object's last event, with the path and account it gives.
-pub const QUEUE_FETCH_SQL: &str = "\
-INSERT INTO stripe_fetches (object_id, object_type, url, account, last_event_id)
-VALUES ($1, $2, $3, $4, $5)
+/// Records the current state of object `$1` (type `$2`, API path `$3`, connected account `$4` or
+/// NULL) as event `$5`'s snapshot gives it: `$6` the object's JSON (NULL when Stripe answered 404,
+/// then `$7` gone is true), `$8` the snapshot's `as_of`, `$9` Stripe's request id. One statement:
+/// the first event about the object inserts its row; a later one replaces it only with a snapshot
+/// taken later (a row from V2 has none yet, and takes the first), so the row never goes back to
+/// an older state and an event served by the snapshot already shown changes nothing.
+pub const RECORD_OBJECT_SQL: &str = "\
+INSERT INTO stripe_objects AS o (object_id, object_type, url, account, event_id, object, gone, as_of, request_id)
+VALUES ($1, $2, $3, $4, $5, $6::text::jsonb, $7, $8, $9)
 ON CONFLICT (object_id) DO UPDATE
    SET object_type = EXCLUDED.object_type,
        url = EXCLUDED.url,
        account = EXCLUDED.account,
-       last_event_id = EXCLUDED.last_event_id,
-       queued_at = now(),
-       fetched_at = NULL";
+       event_id = EXCLUDED.event_id,
+       object = EXCLUDED.object,
+       gone = EXCLUDED.gone,
+       as_of = EXCLUDED.as_of,
+       request_id = EXCLUDED.request_id,
+       updated_at = now()
+ WHERE o.as_of IS NULL OR o.as_of < EXCLUDED.as_of";
 
 /// The handler of the thin event types: it holds nothing, so one value serves every
 /// registration.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct QueueFetch;
+pub struct RecordObject;
 
-impl Handler for QueueFetch {
+impl Handler for RecordObject {
     fn handle<'a>(&'a self, tx: &'a Transaction<'_>, event: &'a InboxEvent) -> HandlerFuture<'a> {
         Box::pin(async move {
             let related = object_to_fetch(event)?;
-            let stmt = tx.prepare_cached(QUEUE_FETCH_SQL).await?;
+            // Kept by `fetch` before this transaction began; an error when there is none (the
+            // event was applied by something that does not fetch).
+            let snapshot = snapshot(tx, event).await?;
+            if let Some(fetched) = snapshot.object_as::<Named>()? {
+                if fetched.id != related.id {
+                    return Err(HandlerError::Payload(format!(
+                        "GET {} answered object {:?}, not the related_object {:?} the event names",
+                        related.url, fetched.id, related.id
+                    )));
+                }
+            }
+            let object = snapshot.object.as_ref().map(|o| o.get());
+            let gone = object.is_none();
+            let stmt = tx.prepare_cached(RECORD_OBJECT_SQL).await?;
             tx.execute(
                 &stmt,
-                &[&related.id, &related.object_type, &related.url, &event.account(), &event.event_id],
+                &[
+                    &related.id,
+                    &related.object_type,
+                    &related.url,
+                    &event.account(),
+                    &event.event_id,
+                    &object,
+                    &gone,
+                    &snapshot.as_of,
+                    &snapshot.request_id,
+                ],
             )
             .await?;
             Ok(())
@@ -60,8 +102,14 @@ impl Handler for QueueFetch {
     }
 }
 
-/// The object a thin event asks to fetch: its `related_object`, whose `url` must be a path on
-/// `api.stripe.com` (the fetcher prefixes the host). A payload without one is
+/// What the handler checks of the fetched object: that it is the one the event names.
+#[derive(Deserialize)]
+struct Named {
+    id: String,
+}
+
+/// The object a thin event names: its `related_object`, whose `url` must be a path on
+/// `api.stripe.com` (`fetch` prefixes the API's base). A payload without one is
 /// [`HandlerError::Payload`]: retrying will not add it, so the row parks for a person.
 pub fn object_to_fetch(event: &InboxEvent) -> Result<RelatedObject<'_>, HandlerError> {
     let related = event.related_object().ok_or_else(|| {

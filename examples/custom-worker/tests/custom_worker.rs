@@ -2,19 +2,22 @@
 //! database of their own, with subscription events built from Stripe's own `subscription`
 //! fixture (`fixtures/subscription.json`) and thin events built to Stripe's `v2.core.event` schema
 //! (`inbox_test_support::stripe_fixtures::thin_event`, which checks each against the schema),
-//! signed and posted over HTTP the way Stripe does.
+//! signed and posted over HTTP the way Stripe does (or stored as the ingest stores them). The
+//! objects thin events name are served to `custom-worker fetch` by a stand-in for Stripe's API
+//! (`inbox_test_support::stripe_api`), which counts the GETs and fails on cue.
 //!
 //! Needs `DATABASE_URL` (`make test`, or `scripts/with-db.sh cargo nextest run -p custom-worker`)
 //! and the binaries built (`make build`).
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use inbox_test_support::app::raw_request;
 use inbox_test_support::db::{column, scalar};
 use inbox_test_support::events::{invoice_paid, now, sign, SECRET_A};
 use inbox_test_support::process::{command, run, run_split, start_ingest, Proc};
-use inbox_test_support::stripe_fixtures::{assert_matches_thin_event_schema, thin_event, Related};
+use inbox_test_support::stripe_api::{Fault, StripeApi};
+use inbox_test_support::stripe_fixtures::{assert_matches_thin_event_schema, resource, thin_event, Related};
 use inbox_test_support::worker::{eventually, store_event};
 use inbox_test_support::TestDb;
 use serde_json::{json, Value};
@@ -121,6 +124,40 @@ fn bytes(event: &Value) -> Vec<u8> {
     serde_json::to_vec(event).unwrap()
 }
 
+/// Stripe's `billing.meter` resource fixture as meter `id`, in test mode, named `display_name`:
+/// what `GET /v1/billing/meters/{id}` answers.
+fn meter_object(id: &str, display_name: &str) -> Value {
+    let mut meter = resource("billing.meter");
+    meter["id"] = json!(id);
+    meter["livemode"] = json!(false);
+    meter["display_name"] = json!(display_name);
+    meter
+}
+
+/// `meter` deactivated at `at` (unix seconds), as Stripe renders it afterwards.
+fn deactivated(mut meter: Value, at: i64) -> Value {
+    meter["status"] = json!("inactive");
+    meter["status_transitions"]["deactivated_at"] = json!(at);
+    meter["updated"] = json!(at);
+    meter
+}
+
+/// An Accounts v2 account as `GET /v2/core/accounts/{id}` answers it (the fields this example
+/// could read; Stripe's fixtures have no v2 resources).
+fn account_object(id: &str) -> Value {
+    json!({
+        "id": id,
+        "object": "v2.core.account",
+        "applied_configurations": ["customer", "merchant"],
+        "contact_email": "seller@example.com",
+        "created": "2026-09-01T10:00:00.000Z",
+        "dashboard": "express",
+        "display_name": "A seller",
+        "livemode": false,
+        "metadata": {}
+    })
+}
+
 // ---- Processes ------------------------------------------------------------------------------
 
 /// `custom-worker <args>` on `db`, tracking only `OUR_PRICE`, with `USER=tester` (the audit's
@@ -152,10 +189,8 @@ async fn json_of(db: &TestDb, args: &[&str]) -> Value {
     serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("not one JSON document ({e}):\n{stdout}"))
 }
 
-/// `custom-worker run` on `db`, started and ready.
-async fn start_worker(db: &TestDb, flags: &[&str]) -> Proc {
-    let mut cmd = custom_worker(db, &["run", "--poll-interval", "100ms"]);
-    cmd.args(flags);
+/// `cmd` (a worker) started and ready.
+async fn start_ready(cmd: Command) -> Proc {
     tokio::task::spawn_blocking(move || {
         let proc = Proc::spawn(cmd);
         proc.wait_for_line("inbox-worker running", TIMEOUT);
@@ -163,6 +198,24 @@ async fn start_worker(db: &TestDb, flags: &[&str]) -> Proc {
     })
     .await
     .unwrap()
+}
+
+/// `custom-worker run` on `db`, started and ready.
+async fn start_worker(db: &TestDb, flags: &[&str]) -> Proc {
+    let mut cmd = custom_worker(db, &["run", "--poll-interval", "100ms"]);
+    cmd.args(flags);
+    start_ready(cmd).await
+}
+
+/// The restricted key the Stripe stand-in accepts.
+const API_KEY: &str = "rk_test_51CustomWorkerReadsMetersAndAccounts";
+
+/// `custom-worker fetch` on `db`, fetching from the Stripe stand-in `api` with [`API_KEY`] given
+/// the way operators give it (`STRIPE_API_KEY`), started and ready.
+async fn start_fetch(db: &TestDb, api: &StripeApi, flags: &[&str]) -> Proc {
+    let mut cmd = custom_worker(db, &["fetch", "--poll-interval", "100ms"]);
+    cmd.env("STRIPE_API_KEY", API_KEY).env("STRIPE_API_BASE", api.base_url()).args(flags);
+    start_ready(cmd).await
 }
 
 /// Stops a worker with SIGTERM; it must exit 0.
@@ -245,62 +298,63 @@ fn row(customer: &str, stage: &str, ended_at: Option<i64>) -> Option<Subscriptio
     Some((customer.to_owned(), stage.to_owned(), ended_at))
 }
 
-/// A `stripe_fetches` row: (object_type, url, account, last_event_id, whether it was fetched since).
-type FetchRow = (String, String, Option<String>, String, bool);
+/// A `stripe_objects` row: what the thin-event handler wrote.
+#[derive(Debug, Clone, PartialEq)]
+struct ObjectRow {
+    object_type: String,
+    url: String,
+    account: Option<String>,
+    event_id: String,
+    object: Option<Value>,
+    gone: bool,
+    as_of: Option<SystemTime>,
+}
 
-async fn fetch_row(client: &Client, object_id: &str) -> Option<FetchRow> {
+async fn object_row(client: &Client, object_id: &str) -> Option<ObjectRow> {
     client
         .query_opt(
-            "SELECT object_type, url, account, last_event_id, fetched_at IS NOT NULL
-               FROM stripe_fetches WHERE object_id = $1",
+            "SELECT object_type, url, account, event_id, object, gone, as_of
+               FROM stripe_objects WHERE object_id = $1",
             &[&object_id],
         )
         .await
         .unwrap()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .map(|r| ObjectRow {
+            object_type: r.get(0),
+            url: r.get(1),
+            account: r.get(2),
+            event_id: r.get(3),
+            object: r.get(4),
+            gone: r.get(5),
+            as_of: r.get(6),
+        })
 }
 
-fn fetch(
-    related: &(String, &str, String),
-    account: Option<&str>,
-    last_event_id: &str,
-    fetched: bool,
-) -> Option<FetchRow> {
-    let (_, object_type, url) = related;
-    Some((
-        (*object_type).to_owned(),
-        url.clone(),
-        account.map(str::to_owned),
-        last_event_id.to_owned(),
-        fetched,
-    ))
-}
-
-/// What the fetcher described in the README does before its `GET`: reads the due fetch of
-/// `object_id`, as the version it will complete.
-async fn take_due_fetch(client: &Client, object_id: &str) -> (String, std::time::SystemTime) {
-    let row = client
-        .query_one(
-            "SELECT last_event_id, queued_at FROM stripe_fetches WHERE object_id = $1 AND fetched_at IS NULL",
-            &[&object_id],
+/// The `as_of` of the snapshot `fetch` keeps of (`account`, `url`) (`""` the platform's).
+async fn snapshot_as_of(client: &Client, account: &str, url: &str) -> Option<SystemTime> {
+    client
+        .query_opt(
+            "SELECT as_of FROM stripe_object_snapshots WHERE account = $1 AND url = $2",
+            &[&account, &url],
         )
         .await
-        .unwrap();
-    (row.get(0), row.get(1))
+        .unwrap()
+        .map(|r| r.get(0))
 }
 
-/// What the fetcher does once it applied the object it fetched: marks the fetch done unless an
-/// event queued it again meanwhile. Returns whether it did.
-async fn complete_fetch(client: &Client, object_id: &str, taken: &(String, std::time::SystemTime)) -> bool {
-    let marked = client
-        .execute(
-            "UPDATE stripe_fetches SET fetched_at = now()
-              WHERE object_id = $1 AND last_event_id = $2 AND queued_at = $3 AND fetched_at IS NULL",
-            &[&object_id, &taken.0, &taken.1],
-        )
-        .await
-        .unwrap();
-    marked == 1
+/// Waits until every inbox row is processed, whatever failed on the way (a fetch that failed
+/// and was retried); panics with `worker`'s output after `TIMEOUT`.
+async fn wait_all_processed_eventually(client: &Client, worker: &Proc) {
+    let done = eventually(TIMEOUT, || async {
+        scalar(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await == 0
+    })
+    .await;
+    assert!(done, "inbox rows left unprocessed; worker output:\n{}", worker.output());
+}
+
+/// The requests the Stripe stand-in got for exactly `path`: (status, Stripe-Context).
+fn requests_for(api: &StripeApi, path: &str) -> Vec<(u16, Option<String>)> {
+    api.requests().into_iter().filter(|r| r.path == path).map(|r| (r.status, r.stripe_context)).collect()
 }
 
 /// A database with the inbox's schema and, applied by `custom-worker migrate`, the example's.
@@ -328,11 +382,15 @@ async fn migrate_applies_the_inbox_schema_then_the_examples_tables_each_in_its_o
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(ours, [(1, "subscriptions".to_owned()), (2, "stripe_fetches".to_owned())]);
+    assert_eq!(
+        ours,
+        [(1, "subscriptions".to_owned()), (2, "stripe_fetches".to_owned()), (3, "stripe_objects".to_owned())]
+    );
     assert_eq!(
         scalar(
             &client,
-            "SELECT count(*) FROM refinery_schema_history WHERE name IN ('subscriptions', 'stripe_fetches')"
+            "SELECT count(*) FROM refinery_schema_history
+              WHERE name IN ('subscriptions', 'stripe_fetches', 'stripe_objects')"
         )
         .await,
         0,
@@ -344,10 +402,11 @@ async fn migrate_applies_the_inbox_schema_then_the_examples_tables_each_in_its_o
     let inbox_done = position(&format!("schema is at version {}", inbox_versions.last().unwrap()));
     let ours_applied = position("applied V1 subscriptions (custom_worker_schema_history)");
     let ours_v2_applied = position("applied V2 stripe_fetches (custom_worker_schema_history)");
+    let ours_v3_applied = position("applied V3 stripe_objects (custom_worker_schema_history)");
     assert!(inbox_done < ours_applied, "the inbox's migrations must run first:\n{first}");
-    assert!(ours_applied < ours_v2_applied, "V1 before V2:\n{first}");
-    position("custom_worker_schema_history is at version 2");
-    for table in ["webhook_inbox", "ledger_entries", "operator_audit", "subscriptions", "stripe_fetches"] {
+    assert!(ours_applied < ours_v2_applied && ours_v2_applied < ours_v3_applied, "V1, V2, V3:\n{first}");
+    position("custom_worker_schema_history is at version 3");
+    for table in ["webhook_inbox", "ledger_entries", "operator_audit", "subscriptions", "stripe_objects"] {
         assert_eq!(db.count(table).await, 0, "{table}");
     }
     // The table refuses what the handler must never write: a live subscription with an end date.
@@ -360,26 +419,42 @@ async fn migrate_applies_the_inbox_schema_then_the_examples_tables_each_in_its_o
         .await
         .unwrap_err();
     assert!(format!("{refused:?}").contains("subscriptions_ended_at_iff_ended"), "{refused:?}");
-    // And a fetch of anything but a path on api.stripe.com.
+    // An object at anything but a path on api.stripe.com.
     let refused = client
         .execute(
-            "INSERT INTO stripe_fetches (object_id, object_type, url, last_event_id) \
+            "INSERT INTO stripe_objects (object_id, object_type, url, event_id) \
              VALUES ('mtr_x', 'billing.meter', 'https://evil.example/v1/billing/meters/mtr_x', 'evt_x')",
             &[],
         )
         .await
         .unwrap_err();
-    assert!(format!("{refused:?}").contains("stripe_fetches_url_is_a_path"), "{refused:?}");
+    assert!(format!("{refused:?}").contains("stripe_objects_url_is_a_path"), "{refused:?}");
+    // An object both present and gone, or known without a snapshot.
+    for (object, gone, as_of) in
+        [("'{}'", "true", "now()"), ("'{}'", "false", "NULL"), ("NULL", "true", "NULL")]
+    {
+        let refused = client
+            .execute(
+                &format!(
+                    "INSERT INTO stripe_objects (object_id, object_type, url, event_id, object, gone, as_of) \
+                     VALUES ('mtr_x', 'billing.meter', '/v1/billing/meters/mtr_x', 'evt_x', {object}, {gone}, {as_of})"
+                ),
+                &[],
+            )
+            .await
+            .unwrap_err();
+        assert!(format!("{refused:?}").contains("stripe_objects_state"), "{refused:?}");
+    }
 
     let second = ok(&db, &["migrate"]).await;
     assert!(second.contains("schema is up to date at version"), "{second}");
-    assert!(second.contains("custom_worker_schema_history is up to date at version 2"), "{second}");
+    assert!(second.contains("custom_worker_schema_history is up to date at version 3"), "{second}");
     assert!(!second.contains("applied"), "{second}");
     assert_eq!(
         scalar(&client, "SELECT count(*) FROM refinery_schema_history").await,
         inbox_versions.len() as i64
     );
-    assert_eq!(scalar(&client, "SELECT count(*) FROM custom_worker_schema_history").await, 2);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM custom_worker_schema_history").await, 3);
 }
 
 #[tokio::test]
@@ -589,84 +664,275 @@ async fn a_subscription_without_a_payer_fails_with_a_clear_error_and_parks_for_r
     stop_worker(worker).await;
 }
 
+/// The design of `fetch` seen from outside: events about one object that wait together cost one
+/// GET of it, made on behalf of the account the events name, and every handler reads that one
+/// snapshot in its own transaction; `run` never takes them.
 #[tokio::test]
-async fn thin_events_about_one_object_queue_one_fetch_of_its_url_due_again_after_each_new_event_but_not_a_redelivery(
+async fn a_burst_of_thin_events_about_one_object_is_applied_with_one_fetch_and_each_handler_sees_the_snapshot(
 ) {
     let db = migrated_db().await;
     let client = db.client().await;
-    let (_ingest, base) = start_ingest_on(&db).await;
-    let worker = start_worker(&db, &[]).await;
-    let mtr = meter("mtr_1ErrorsReported");
-    let first = bytes(&thin("evt_thin_1", METER_ERROR, &mtr, None));
-    let second = bytes(&thin("evt_thin_2", METER_ERROR, &mtr, None));
-    let third = bytes(&thin("evt_thin_3", METER_ERROR, &mtr, None));
+    let api = StripeApi::start(API_KEY).await;
+    // The platform's meter, and a meter of a connected account: Stripe shows that one only to a
+    // request made in the account's context, so finding it proves `Stripe-Context` was sent.
+    let ours = meter("mtr_1BurstOfErrors");
+    let ours_object = meter_object(&ours.0, "API calls");
+    api.add_object(&ours.2, ours_object.clone());
+    let seller = "acct_1ConnectedSeller";
+    let theirs = meter("mtr_1SellersMeter");
+    let theirs_object = meter_object(&theirs.0, "Seller's API calls");
+    api.add_object_for_account(seller, &theirs.2, theirs_object.clone());
 
-    // The first event queues a fetch of the meter, on the platform (no context); the fetcher
-    // takes it and marks it done.
-    deliver(&base, &client, &worker, &first).await;
-    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_1", false));
-    let taken = take_due_fetch(&client, &mtr.0).await;
-    assert!(complete_fetch(&client, &mtr.0, &taken).await);
-    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_1", true));
-
-    // A second event about the meter after the fetch: the same row, due again, for that event.
-    deliver(&base, &client, &worker, &second).await;
-    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_2", false));
-
-    // A third arrives while the fetcher's GET for the second is in flight: the fetcher's
-    // completion must not hide it (the object it read may predate the third change).
-    let in_flight = take_due_fetch(&client, &mtr.0).await;
-    deliver(&base, &client, &worker, &third).await;
-    assert!(!complete_fetch(&client, &mtr.0, &in_flight).await, "a stale fetch marked the row done");
-    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_3", false));
-    let taken = take_due_fetch(&client, &mtr.0).await;
-    assert!(complete_fetch(&client, &mtr.0, &taken).await);
-
-    // Stripe delivers the first and the third again: the inbox has them already, so no fetch is
-    // due again and the row keeps the latest event.
-    for body in [&first, &third] {
-        deliver(&base, &client, &worker, body).await;
+    // A burst: five events about our meter, two about the seller's, stored as the ingest stores
+    // them.
+    for n in 1..=5 {
+        store_event(&client, "billing", &bytes(&thin(&format!("evt_burst_{n}"), METER_ERROR, &ours, None)))
+            .await;
     }
-    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, None, "evt_thin_3", true));
-    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 1);
+    for n in 1..=2 {
+        let event = thin(&format!("evt_seller_{n}"), METER_ERROR, &theirs, Some(seller));
+        store_event(&client, "billing", &bytes(&event)).await;
+    }
+
+    // `run` alone: it leaves them, unclaimed, counted as waiting for a handler.
+    let worker = start_worker(&db, &[]).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let untouched = "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL AND attempts = 0";
+    assert_eq!(scalar(&client, untouched).await, 7, "run claimed a thin event:\n{}", worker.output());
+    let stats = json_of(&db, &["stats"]).await;
+    assert_eq!(stats["no_handler"], 7, "{stats}");
+    assert!(api.requests().is_empty());
+
+    // `fetch` beside it: one GET per object, each answered at once.
+    let fetcher = start_fetch(&db, &api, &[]).await;
+    wait_all_processed(&client, &fetcher).await;
+    assert_eq!(api.count(&ours.2), 1, "one GET for the five events: {:?}", api.requests());
+    assert_eq!(api.count(&theirs.2), 1, "one GET for the two events: {:?}", api.requests());
+    assert_eq!(api.requests().len(), 2, "{:?}", api.requests());
+    assert_eq!(requests_for(&api, &ours.2), [(200, None)], "the platform's meter, no context");
+    assert_eq!(requests_for(&api, &theirs.2), [(200, Some(seller.to_owned()))]);
+
+    // Each event claimed once, by `fetch`, and processed without error: a handler that found no
+    // snapshot would have failed (snapshot() is an error then), so each one read it.
+    let by_fetch = "SELECT count(*) FROM webhook_inbox
+                     WHERE processed_at IS NOT NULL AND attempts = 1 AND last_error IS NULL";
+    assert_eq!(scalar(&client, by_fetch).await, 7);
+    let claimers: Vec<String> =
+        column(&client, &format!("SELECT program FROM inbox_workers WHERE '{METER_ERROR}' = ANY(handles)"))
+            .await;
+    assert_eq!(claimers, ["custom-worker"], "only the fetch process handles the thin types");
+
+    // The example's table holds the snapshots, one row per object.
+    let row = object_row(&client, &ours.0).await.expect("our meter's row");
     assert_eq!(
-        scalar(
-            &client,
-            "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL AND last_error IS NULL"
-        )
-        .await,
-        3
+        (row.object_type.as_str(), row.url.as_str(), &row.account),
+        ("billing.meter", ours.2.as_str(), &None)
     );
+    assert_eq!((row.object, row.gone), (Some(ours_object), false));
+    assert!(row.event_id.starts_with("evt_burst_"), "{}", row.event_id);
+    assert_eq!(row.as_of, snapshot_as_of(&client, "", &ours.2).await);
+    let row = object_row(&client, &theirs.0).await.expect("the seller's meter's row");
+    assert_eq!((row.account.as_deref(), row.object, row.gone), (Some(seller), Some(theirs_object), false));
+    assert!(row.event_id.starts_with("evt_seller_"), "{}", row.event_id);
+    assert_eq!(row.as_of, snapshot_as_of(&client, seller, &theirs.2).await);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_objects").await, 2);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_object_snapshots").await, 2);
+
+    stop_worker(fetcher).await;
     stop_worker(worker).await;
 }
 
+/// Stripe failing on the way: a 500 is retried by the client inside one attempt; an answer
+/// that is final (401) fails the attempt of the object's events, which are retried; a 404 is a
+/// state like any other, the object is recorded as gone.
 #[tokio::test]
-async fn a_connect_thin_event_queues_its_fetch_on_behalf_of_the_connected_account_in_its_context() {
+async fn stripe_errors_are_retried_and_an_object_stripe_no_longer_has_is_recorded_as_gone() {
     let db = migrated_db().await;
     let client = db.client().await;
-    let (_ingest, base) = start_ingest_on(&db).await;
-    let worker = start_worker(&db, &[]).await;
+    let api = StripeApi::start(API_KEY).await;
+    let flaky = meter("mtr_1FlakyFirst");
+    let flaky_object = meter_object(&flaky.0, "Flaky");
+    api.add_object(&flaky.2, flaky_object.clone());
+    api.fail_nth(&flaky.2, 1, Fault::ServerError);
+    api.fail_nth(&flaky.2, 2, Fault::ServerError);
+    let refused = meter("mtr_1RefusedOnce");
+    api.add_object(&refused.2, meter_object(&refused.0, "Refused once"));
+    api.fail_nth(&refused.2, 1, Fault::Unauthorized);
+    // The platform's event about an Accounts v2 account Stripe no longer has.
+    let closed = account("acct_1ClosedSeller");
 
-    // A meter of a connected account reported errors: the event names the account in `context`,
-    // and the fetch is made on its behalf (Stripe-Context).
-    let connected = "acct_1ConnectedSeller";
-    let mtr = meter("mtr_1OnConnectedAccount");
-    deliver(&base, &client, &worker, &bytes(&thin("evt_thin_connect", METER_ERROR, &mtr, Some(connected))))
-        .await;
-    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, Some(connected), "evt_thin_connect", false));
+    store_event(&client, "billing", &bytes(&thin("evt_flaky_1", METER_ERROR, &flaky, None))).await;
+    store_event(&client, "billing", &bytes(&thin("evt_flaky_2", METER_ERROR, &flaky, None))).await;
+    store_event(&client, "billing", &bytes(&thin("evt_refused", METER_ERROR, &refused, None))).await;
+    store_event(&client, "billing", &bytes(&thin("evt_closed", ACCOUNT_UPDATED, &closed, None))).await;
 
-    // The platform's own event about that account (Accounts v2) has no context: fetched as the
-    // platform, at the v2 path.
-    let acct = account(connected);
-    deliver(&base, &client, &worker, &bytes(&thin("evt_thin_account", ACCOUNT_UPDATED, &acct, None))).await;
-    assert_eq!(fetch_row(&client, connected).await, fetch(&acct, None, "evt_thin_account", false));
+    let fetcher = start_fetch(&db, &api, &[]).await;
+    wait_all_processed_eventually(&client, &fetcher).await;
+
+    // 500, 500, 200: the client's retries, one attempt of the events, one object kept.
+    assert_eq!(requests_for(&api, &flaky.2), [(500, None), (500, None), (200, None)]);
+    assert_eq!(api.count(&flaky.2), 1);
+    let attempts = |id: &str| {
+        let sql = format!("SELECT attempts FROM webhook_inbox WHERE event_id = '{id}'");
+        let client = &client;
+        async move { client.query_one(&sql, &[]).await.unwrap().get::<_, i32>(0) }
+    };
+    assert_eq!((attempts("evt_flaky_1").await, attempts("evt_flaky_2").await), (1, 1));
+    let row = object_row(&client, &flaky.0).await.unwrap();
+    assert_eq!((row.object, row.gone), (Some(flaky_object), false));
+
+    // 401 is final for the client: that attempt failed (the log says why), the next one fetched.
+    assert_eq!(requests_for(&api, &refused.2), [(401, None), (200, None)]);
+    assert_eq!(attempts("evt_refused").await, 2);
+    assert!(fetcher.output().contains("fetching the related object"), "{}", fetcher.output());
+    assert!(object_row(&client, &refused.0).await.unwrap().object.is_some());
+
+    // 404: gone, at the v2 path, as the platform (the event has no context).
+    assert_eq!(requests_for(&api, &closed.2), [(404, None)]);
+    let row = object_row(&client, &closed.0).await.expect("a row for the closed account");
     assert_eq!(
-        fetch_row(&client, connected).await.unwrap().1,
-        format!("/v2/core/accounts/{connected}"),
-        "the path the fetcher appends to https://api.stripe.com"
+        (row.object_type.as_str(), row.url.as_str(), row.object, row.gone, row.event_id.as_str()),
+        ("v2.core.account", "/v2/core/accounts/acct_1ClosedSeller", None, true, "evt_closed")
     );
-    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 2);
-    stop_worker(worker).await;
+    assert!(row.as_of.is_some());
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE last_error IS NOT NULL").await, 0);
+    stop_worker(fetcher).await;
+}
+
+/// After a fetch, a new event about the object means it changed again: exactly one more GET, and
+/// the table shows the new version. What does not come with a newer snapshot — a replay, an older
+/// snapshot — never takes the row back.
+#[tokio::test]
+async fn a_thin_event_arriving_after_the_fetch_gets_one_more_get_and_nothing_older_overwrites_the_newer_object(
+) {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    let api = StripeApi::start(API_KEY).await;
+    let mtr = meter("mtr_1ChangesTwice");
+    let first = meter_object(&mtr.0, "Changes twice");
+    api.add_object(&mtr.2, first.clone());
+    let fetcher = start_fetch(&db, &api, &[]).await;
+
+    store_event(&client, "billing", &bytes(&thin("evt_change_1", METER_ERROR, &mtr, None))).await;
+    wait_all_processed(&client, &fetcher).await;
+    assert_eq!(api.count(&mtr.2), 1);
+    let row = object_row(&client, &mtr.0).await.unwrap();
+    assert_eq!((row.object.as_ref(), row.event_id.as_str()), (Some(&first), "evt_change_1"));
+    let first_as_of = row.as_of.unwrap();
+
+    // The meter is deactivated; Stripe sends an event about it. It arrived after the snapshot
+    // was taken, so the snapshot may predate its change: fetched again, once.
+    let second = deactivated(first.clone(), 1_790_000_600);
+    api.set_object(&mtr.2, second.clone());
+    store_event(&client, "billing", &bytes(&thin("evt_change_2", METER_ERROR, &mtr, None))).await;
+    wait_all_processed(&client, &fetcher).await;
+    assert_eq!(api.count(&mtr.2), 2, "{:?}", api.requests());
+    let row = object_row(&client, &mtr.0).await.unwrap();
+    assert_eq!((row.object.as_ref(), row.event_id.as_str()), (Some(&second), "evt_change_2"));
+    assert!(row.as_of.unwrap() > first_as_of);
+    stop_worker(fetcher).await;
+
+    // A replay of the first event re-applies the kept snapshot: no GET, nothing changes.
+    let output = ok(&db, &["replay", "--event-id", "evt_change_1"]).await;
+    assert!(output.contains("replayed event evt_change_1"), "{output}");
+    assert_eq!(api.count(&mtr.2), 2);
+    assert_eq!(object_row(&client, &mtr.0).await, Some(row.clone()));
+    // ... and rebuilds the row when it was lost, from the same snapshot.
+    client.execute("DELETE FROM stripe_objects", &[]).await.unwrap();
+    ok(&db, &["replay", "--event-id", "evt_change_1"]).await;
+    let rebuilt = object_row(&client, &mtr.0).await.unwrap();
+    assert_eq!((rebuilt.object.as_ref(), rebuilt.as_of), (Some(&second), row.as_of));
+    assert_eq!(api.count(&mtr.2), 2);
+
+    // A handler that reads an older snapshot than the row shows (as a handler of a late event
+    // would, had another view of the object been fetched earlier) leaves the newer state: the
+    // row only moves to a later `as_of`.
+    client
+        .execute(
+            "UPDATE stripe_object_snapshots SET object = $1, as_of = as_of - interval '1 minute' WHERE url = $2",
+            &[&first, &mtr.2],
+        )
+        .await
+        .unwrap();
+    ok(&db, &["replay", "--event-id", "evt_change_2"]).await;
+    assert_eq!(object_row(&client, &mtr.0).await.unwrap().object, Some(second));
+    assert_eq!(api.count(&mtr.2), 2, "replay never fetches");
+}
+
+/// A database migrated by the previous build of this binary (V1, V2, with fetches queued) gets
+/// only V3 at the next `migrate`, and every object it knew is kept, to be filled in by the next
+/// event about it.
+#[tokio::test]
+async fn a_database_at_v2_with_queued_fetches_migrates_to_v3_keeping_every_object() {
+    let db = TestDb::empty().await;
+    let client = db.client().await;
+    // Stop this binary's set at V2: a table in V3's way makes V3 fail, and refinery rolls back
+    // that migration alone.
+    client.batch_execute("CREATE TABLE stripe_objects (in_the_way int)").await.unwrap();
+    let (code, output) = exec(custom_worker(&db, &["migrate"])).await;
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("custom_worker_schema_history") && output.contains("stripe_objects"), "{output}");
+    let versions: Vec<i32> =
+        column(&client, "SELECT version FROM custom_worker_schema_history ORDER BY 1").await;
+    assert_eq!(versions, [1, 2]);
+    client.batch_execute("DROP TABLE stripe_objects").await.unwrap();
+
+    // What V2's handler and a fetcher of the team's own left: one fetch due, one done.
+    let due = meter("mtr_1QueuedUnderV2");
+    let done = account("acct_1FetchedUnderV2");
+    client
+        .execute(
+            "INSERT INTO stripe_fetches (object_id, object_type, url, account, last_event_id, queued_at, fetched_at)
+             VALUES ($1, $2, $3, 'acct_1Seller', 'evt_v2_due', '2026-10-01T12:00:00Z', NULL),
+                    ($4, $5, $6, NULL, 'evt_v2_done', '2026-10-01T12:00:01Z', '2026-10-01T12:00:02Z')",
+            &[&due.0, &due.1, &due.2, &done.0, &done.1, &done.2],
+        )
+        .await
+        .unwrap();
+
+    let output = ok(&db, &["migrate"]).await;
+    assert!(output.contains("applied V3 stripe_objects (custom_worker_schema_history)"), "{output}");
+    assert!(!output.contains("applied V1") && !output.contains("applied V2"), "{output}");
+    assert!(output.contains("custom_worker_schema_history is at version 3"), "{output}");
+    assert_eq!(
+        scalar(
+            &client,
+            "SELECT count(*) FROM pg_class WHERE relname IN ('stripe_fetches', 'stripe_fetches_due')"
+        )
+        .await,
+        0
+    );
+    let kept = client
+        .query(
+            "SELECT object_id, account, event_id, updated_at = '2026-10-01T12:00:00Z'::timestamptz + (event_id = 'evt_v2_done')::int * interval '1 second',
+                    object IS NULL AND as_of IS NULL AND NOT gone
+               FROM stripe_objects ORDER BY object_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect::<Vec<(String, Option<String>, String, bool, bool)>>();
+    assert_eq!(
+        kept,
+        [
+            (done.0.clone(), None, "evt_v2_done".to_owned(), true, true),
+            (due.0.clone(), Some("acct_1Seller".to_owned()), "evt_v2_due".to_owned(), true, true),
+        ]
+    );
+
+    // The next event about the meter V2 left due fills its row in.
+    let api = StripeApi::start(API_KEY).await;
+    let object = meter_object(&due.0, "Queued under V2");
+    api.add_object_for_account("acct_1Seller", &due.2, object.clone());
+    store_event(&client, "billing", &bytes(&thin("evt_v3_first", METER_ERROR, &due, Some("acct_1Seller"))))
+        .await;
+    let fetcher = start_fetch(&db, &api, &[]).await;
+    wait_all_processed(&client, &fetcher).await;
+    let row = object_row(&client, &due.0).await.unwrap();
+    assert_eq!((row.object, row.event_id.as_str()), (Some(object), "evt_v3_first"));
+    stop_worker(fetcher).await;
 }
 
 #[tokio::test]
@@ -675,30 +941,32 @@ async fn a_thin_event_without_related_object_fails_with_a_clear_error_and_parks_
     let db = migrated_db().await;
     let client = db.client().await;
     // Stripe's schema does not require related_object, so the event is a valid `v2.core.event`;
-    // this handler cannot do anything with it.
+    // there is nothing to fetch for it.
     let mut without = thin("evt_thin_no_related", ACCOUNT_UPDATED, &account("acct_1Unnamed"), None);
     without.as_object_mut().unwrap().remove("related_object");
     assert_matches_thin_event_schema(&without);
     store_event(&client, "billing", &bytes(&without)).await;
+    let api = StripeApi::start(API_KEY).await;
     let mtr = meter("mtr_1FlowsPast");
+    api.add_object_for_account("acct_1Seller", &mtr.2, meter_object(&mtr.0, "Flows past"));
     store_event(&client, "billing", &bytes(&thin("evt_thin_meter", METER_ERROR, &mtr, Some("acct_1Seller"))))
         .await;
     let acct = account("acct_1AlsoFlowsPast");
+    api.add_object(&acct.2, account_object(&acct.0));
     store_event(&client, "billing", &bytes(&thin("evt_thin_account", ACCOUNT_UPDATED, &acct, None))).await;
 
-    let worker = start_worker(&db, &["--max-attempts", "2"]).await;
-    let review = parked_for_review(&db, &client, &worker, "evt_thin_no_related").await;
+    let fetcher = start_fetch(&db, &api, &["--max-attempts", "2"]).await;
+    let review = parked_for_review(&db, &client, &fetcher, "evt_thin_no_related").await;
     let last_error = review["rows"][0]["last_error"].as_str().unwrap_or_default();
-    assert!(
-        last_error.contains("related_object {id, type, url} is missing")
-            && last_error.contains("v2.core.account.updated must name the object to fetch"),
-        "{review}"
-    );
-    // The rest of the queue flowed past it; the parked event queued nothing.
-    assert_eq!(fetch_row(&client, &mtr.0).await, fetch(&mtr, Some("acct_1Seller"), "evt_thin_meter", false));
-    assert_eq!(fetch_row(&client, &acct.0).await, fetch(&acct, None, "evt_thin_account", false));
-    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 2);
-    stop_worker(worker).await;
+    assert!(last_error.contains("no related_object {id, type, url}"), "{review}");
+    // The rest of the queue flowed past it; the parked event fetched nothing and wrote nothing.
+    let flowed = "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL AND last_error IS NULL";
+    assert_eq!(scalar(&client, flowed).await, 2);
+    assert_eq!(object_row(&client, &mtr.0).await.unwrap().account.as_deref(), Some("acct_1Seller"));
+    assert_eq!(object_row(&client, &acct.0).await.unwrap().object, Some(account_object(&acct.0)));
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_objects").await, 2);
+    assert_eq!(api.requests().len(), 2, "{:?}", api.requests());
+    stop_worker(fetcher).await;
 }
 
 #[tokio::test]
@@ -826,15 +1094,20 @@ async fn the_stock_worker_leaves_this_workers_types_for_it_and_nothing_is_lost_o
     assert_eq!(by_type(ACCOUNT_UPDATED)["no_handler"], 1, "{stats}");
     assert_eq!(stats["workers"].as_array().map(Vec::len), Some(1), "{stats}");
 
-    // The team's worker starts: it takes its types; nothing was lost, nothing is left.
+    // The team's workers start — `run`, and `fetch` for the thin event: they take their types;
+    // nothing was lost, nothing is left.
+    let api = StripeApi::start(API_KEY).await;
+    api.add_object("/v2/core/accounts/acct_1Mixed", account_object("acct_1Mixed"));
     let team = start_worker(&db, &[]).await;
+    let fetcher = start_fetch(&db, &api, &[]).await;
     wait_all_processed(&client, &team).await;
     assert_eq!(scalar(&client, "SELECT count(*) FROM subscriptions").await, 12);
-    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_fetches").await, 1);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM stripe_objects WHERE object IS NOT NULL").await, 1);
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 2, "booked once");
     let stats = json_of(&db, &["stats"]).await;
     assert_eq!(stats["no_handler"], 0, "{stats}");
-    assert_eq!(stats["workers"].as_array().map(Vec::len), Some(2), "{stats}");
+    assert_eq!(stats["workers"].as_array().map(Vec::len), Some(3), "{stats}");
+    stop_worker(fetcher).await;
     stop_worker(team).await;
     stop_worker(stock).await;
     // A worker that stopped is no longer counted.
@@ -940,4 +1213,25 @@ async fn the_teams_binary_relays_what_its_handlers_write_to_the_outbox() {
     assert!(accepted[0].signature.starts_with("v1,"), "{}", accepted[0].signature);
     stop_worker(worker).await;
     drop(relay);
+}
+
+#[tokio::test]
+async fn run_refuses_an_ignore_pattern_that_would_swallow_the_thin_types_fetch_applies() {
+    let db = migrated_db().await;
+    let client = db.client().await;
+    store_event(&client, "billing", &bytes(&thin("evt_ignored_by_run", METER_ERROR, &meter("mtr_1Kept"), None))).await;
+    for pattern in ["*", "v1.billing.*", METER_ERROR] {
+        let (code, output) = exec(custom_worker(&db, &["run", "--ignore", pattern])).await;
+        assert_eq!(code, 1, "{output}");
+        assert!(
+            output.contains(&format!("the ignore pattern {pattern}")) && output.contains("applies with `fetch`"),
+            "{output}"
+        );
+    }
+    // Nothing was marked done: the event waits for `fetch`.
+    let untouched = "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL AND attempts = 0";
+    assert_eq!(scalar(&client, untouched).await, 1);
+    // A pattern that leaves the fetched types out is taken.
+    let worker = start_worker(&db, &["--ignore", "customer.*"]).await;
+    stop_worker(worker).await;
 }

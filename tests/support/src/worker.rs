@@ -27,6 +27,7 @@ pub fn test_settings(db: &TestDb) -> Settings {
         metrics_listen: None,
         shutdown_timeout: Duration::from_secs(10),
         program: "inbox-test-worker".to_owned(),
+        fetcher: None,
     }
 }
 

@@ -9,6 +9,8 @@
 //!   (and give back the attempts of claims that never ran or were interrupted);
 //! * [`admin`]: what operators read and change — statistics, parked rows, requeue, replay, purge,
 //!   the audit trail — and the queue gauges' count;
+//! * [`fetch`]: the objects thin events name, fetched by `inbox-worker fetch`, and their
+//!   snapshots, which the handlers read;
 //! * [`reconcile`]: events found in Stripe's API that the inbox lacks, and the runs of
 //!   `reconcile` that find them (resumable);
 //! * [`gauges`]: who counts the queue gauges (one worker per interval) and how the others read them;
@@ -114,6 +116,7 @@ macro_rules! fenced {
 }
 
 pub mod admin;
+pub mod fetch;
 pub mod gauges;
 pub mod ingest;
 pub mod outbox;
