@@ -5,6 +5,7 @@ mod bad_input;
 mod broken_orderings;
 mod connection;
 mod docs;
+mod failover;
 mod endpoint_watchdog;
 mod group_commit;
 mod hardening;

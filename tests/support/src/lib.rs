@@ -17,6 +17,7 @@ pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod receiver;
+pub mod replica;
 pub mod stripe_api;
 pub mod stripe_fixtures;
 pub mod tls;
