@@ -561,8 +561,9 @@ impl List {
     }
 }
 
-/// An error's cause from reqwest, without the URL (which is ours, not secret, but long).
-fn transport_cause(e: &reqwest::Error) -> String {
+/// What went wrong with a request that got no answer, from reqwest's error chain (refused, reset,
+/// DNS, TLS; "no answer in time" for a timeout), never the URL. The relay says it the same way.
+pub(crate) fn transport_cause(e: &reqwest::Error) -> String {
     if e.is_timeout() {
         return "no answer in time".into();
     }

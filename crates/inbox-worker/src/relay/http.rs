@@ -137,25 +137,7 @@ impl Http {
     }
 
     fn transport_error(&self, e: &reqwest::Error) -> String {
-        let cause = if e.is_timeout() {
-            "no answer in time".to_owned()
-        } else {
-            // Its chain names the cause (refused, reset, DNS, TLS); never the URL (without_url).
-            let mut cause = String::new();
-            let mut source: Option<&dyn std::error::Error> = Some(e);
-            while let Some(err) = source {
-                let text = err.to_string();
-                if !text.is_empty() && !cause.contains(&text) {
-                    if !cause.is_empty() {
-                        cause.push_str(": ");
-                    }
-                    cause.push_str(&text);
-                }
-                source = err.source();
-            }
-            cause
-        };
-        format!("POST {} failed: {cause}", self.shown)
+        format!("POST {} failed: {}", self.shown, crate::stripe::transport_cause(e))
     }
 }
 

@@ -174,16 +174,14 @@ pub async fn insert_events(
     keep_raw: bool,
     timeout: std::time::Duration,
 ) -> Result<Vec<(String, String)>, tokio_postgres::Error> {
-    let endpoints: Vec<&str> = events.iter().map(|e| e.endpoint).collect();
-    let ids: Vec<&str> = events.iter().map(|e| e.event_id).collect();
-    let types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
-    let payloads: Vec<JsonBytes<'_>> = events.iter().map(|e| JsonBytes(e.payload)).collect();
-    // Bodies are at most --max-body (far below 2 GiB); saturate rather than wrap all the same.
-    let sizes: Vec<i32> = events.iter().map(|e| i32::try_from(e.payload.len()).unwrap_or(i32::MAX)).collect();
-    let reasons: Vec<Option<&str>> = events.iter().map(|e| e.livemode_hold).collect();
-    let positions: Vec<i16> = events.iter().map(|e| e.provenance.secret_position).collect();
-    let fingerprints: Vec<&str> = events.iter().map(|e| e.provenance.secret_fingerprint).collect();
-    let signed: Vec<i64> = events.iter().map(|e| e.provenance.signature_t).collect();
+    let arrays = EventArrays::new(events.iter().map(|e| EventRow {
+        endpoint: e.endpoint,
+        event_id: e.event_id,
+        event_type: e.event_type,
+        payload: e.payload,
+        livemode_hold: e.livemode_hold,
+        provenance: Some(&e.provenance),
+    }));
     let raw: Vec<RawBytes<'_>> =
         if keep_raw { events.iter().map(|e| RawBytes(e.payload)).collect() } else { Vec::new() };
     let v1: Vec<RawBytes<'_>> = if keep_raw {
@@ -191,18 +189,7 @@ pub async fn insert_events(
     } else {
         Vec::new()
     };
-    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
-        (&provider, Type::TEXT),
-        (&endpoints, Type::TEXT_ARRAY),
-        (&ids, Type::TEXT_ARRAY),
-        (&types, Type::TEXT_ARRAY),
-        (&payloads, Type::JSONB_ARRAY),
-        (&sizes, Type::INT4_ARRAY),
-        (&reasons, Type::TEXT_ARRAY),
-        (&positions, Type::INT2_ARRAY),
-        (&fingerprints, Type::TEXT_ARRAY),
-        (&signed, Type::INT8_ARRAY),
-    ];
+    let mut params = arrays.params(&provider);
     let sql = if keep_raw {
         params.extend([(&raw as &(dyn ToSql + Sync), Type::BYTEA_ARRAY), (&v1, Type::BYTEA_ARRAY)]);
         INSERT_EVENTS_RAW_SQL
@@ -218,6 +205,76 @@ pub async fn insert_events(
         Pooler::Transaction => super::query_in_own_transaction(client, timeout, sql, &params).await?,
     };
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// One event as the insert's arrays take it: a verified delivery (with its provenance) or an event
+/// found in Stripe's API (none).
+pub(crate) struct EventRow<'a> {
+    pub endpoint: &'a str,
+    pub event_id: &'a str,
+    pub event_type: &'a str,
+    pub payload: &'a [u8],
+    pub livemode_hold: Option<&'a str>,
+    pub provenance: Option<&'a Provenance<'a>>,
+}
+
+/// The arrays `$2`…`$10` of [`INSERT_EVENTS_SQL`] and its variants, one element per event.
+pub(crate) struct EventArrays<'a> {
+    endpoints: Vec<&'a str>,
+    ids: Vec<&'a str>,
+    types: Vec<&'a str>,
+    payloads: Vec<JsonBytes<'a>>,
+    sizes: Vec<i32>,
+    reasons: Vec<Option<&'a str>>,
+    positions: Vec<Option<i16>>,
+    fingerprints: Vec<Option<&'a str>>,
+    signed: Vec<Option<i64>>,
+}
+
+impl<'a> EventArrays<'a> {
+    pub(crate) fn new(rows: impl ExactSizeIterator<Item = EventRow<'a>>) -> Self {
+        let n = rows.len();
+        let mut arrays = EventArrays {
+            endpoints: Vec::with_capacity(n),
+            ids: Vec::with_capacity(n),
+            types: Vec::with_capacity(n),
+            payloads: Vec::with_capacity(n),
+            sizes: Vec::with_capacity(n),
+            reasons: Vec::with_capacity(n),
+            positions: Vec::with_capacity(n),
+            fingerprints: Vec::with_capacity(n),
+            signed: Vec::with_capacity(n),
+        };
+        for row in rows {
+            arrays.endpoints.push(row.endpoint);
+            arrays.ids.push(row.event_id);
+            arrays.types.push(row.event_type);
+            arrays.payloads.push(JsonBytes(row.payload));
+            // Bodies are at most --max-body (far below 2 GiB); saturate rather than wrap all the same.
+            arrays.sizes.push(i32::try_from(row.payload.len()).unwrap_or(i32::MAX));
+            arrays.reasons.push(row.livemode_hold);
+            arrays.positions.push(row.provenance.map(|p| p.secret_position));
+            arrays.fingerprints.push(row.provenance.map(|p| p.secret_fingerprint));
+            arrays.signed.push(row.provenance.map(|p| p.signature_t));
+        }
+        arrays
+    }
+
+    /// `$1` (`provider`) and the arrays, typed.
+    pub(crate) fn params<'p>(&'p self, provider: &'p &'p str) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
+        vec![
+            (provider, Type::TEXT),
+            (&self.endpoints, Type::TEXT_ARRAY),
+            (&self.ids, Type::TEXT_ARRAY),
+            (&self.types, Type::TEXT_ARRAY),
+            (&self.payloads, Type::JSONB_ARRAY),
+            (&self.sizes, Type::INT4_ARRAY),
+            (&self.reasons, Type::TEXT_ARRAY),
+            (&self.positions, Type::INT2_ARRAY),
+            (&self.fingerprints, Type::TEXT_ARRAY),
+            (&self.signed, Type::INT8_ARRAY),
+        ]
+    }
 }
 
 /// Runs [`INSERT_UNSTORABLE_SQL`] for `event` (its `livemode_hold` is ignored: the row is held

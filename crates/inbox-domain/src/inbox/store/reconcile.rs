@@ -13,8 +13,6 @@ use std::time::Duration;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::GenericClient;
 
-use crate::inbox::event::JsonBytes;
-
 /// The default lease of a run: renewed every third of it while the process walks (between pages
 /// and while it waits for Stripe), so past it the process is taken for dead and another
 /// `reconcile` of the endpoint takes the run over.
@@ -225,27 +223,15 @@ pub async fn store_page(
     cursor: &str,
     skipped: i64,
 ) -> Result<Option<(Totals, i64)>, tokio_postgres::Error> {
-    let endpoints: Vec<&str> = events.iter().map(|_| endpoint).collect();
-    let ids: Vec<&str> = events.iter().map(|e| e.event_id).collect();
-    let types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
-    let payloads: Vec<JsonBytes<'_>> = events.iter().map(|e| JsonBytes(e.payload)).collect();
-    let sizes: Vec<i32> = events.iter().map(|e| i32::try_from(e.payload.len()).unwrap_or(i32::MAX)).collect();
-    let reasons: Vec<Option<&str>> = events.iter().map(|e| e.livemode_hold).collect();
-    let positions: Vec<Option<i16>> = vec![None; events.len()];
-    let fingerprints: Vec<Option<&str>> = vec![None; events.len()];
-    let signed: Vec<Option<i64>> = vec![None; events.len()];
-    let params: [(&(dyn ToSql + Sync), Type); 10] = [
-        (&provider, Type::TEXT),
-        (&endpoints, Type::TEXT_ARRAY),
-        (&ids, Type::TEXT_ARRAY),
-        (&types, Type::TEXT_ARRAY),
-        (&payloads, Type::JSONB_ARRAY),
-        (&sizes, Type::INT4_ARRAY),
-        (&reasons, Type::TEXT_ARRAY),
-        (&positions, Type::INT2_ARRAY),
-        (&fingerprints, Type::TEXT_ARRAY),
-        (&signed, Type::INT8_ARRAY),
-    ];
+    let arrays = super::ingest::EventArrays::new(events.iter().map(|e| super::ingest::EventRow {
+        endpoint,
+        event_id: e.event_id,
+        event_type: e.event_type,
+        payload: e.payload,
+        livemode_hold: e.livemode_hold,
+        provenance: None,
+    }));
+    let params = arrays.params(&provider);
     let inserted = if events.is_empty() {
         0
     } else {
