@@ -13,11 +13,14 @@
 --   inbox_ingest    inbox-ingest: inserts verified events, reads the schema version (readiness)
 --   inbox_worker    inbox-worker run: claims and marks inbox rows, writes the invoice tables
 --   inbox_relay     inbox-worker relay: claims, reads and marks outbox rows, nothing else
---   inbox_operator  stats, needs-review, requeue, replay, dismiss, purge; audit rows insert-only
+--   inbox_operator  stats, needs-review, requeue, replay, dismiss, purge, reconciliation; audit rows insert-only
 --   inbox_metrics   read-only counts for KEDA and dashboards: no payloads, no errors
+--   inbox_reconciler  inbox-worker reconcile: inserts the events Stripe's API lists and the inbox lacks
+--   inbox_fetcher   inbox-worker fetch (a team's binary): what inbox_worker has, and the object snapshots
 --
 -- A team's own worker writes its own tables: grant them to inbox_worker and inbox_operator (replay
--- runs the same handlers) in a file of your own, applied the same way.
+-- runs the same handlers) in a file of your own, applied the same way. inbox_fetcher is a member
+-- of inbox_worker, so what is granted to inbox_worker reaches `fetch` too.
 
 -- Names in this file resolve in pg_catalog only, before anything is called: on a database where
 -- others may create objects in public (every database created before PostgreSQL 15), a function
@@ -35,7 +38,7 @@ DO $roles$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics'] LOOP
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics', 'inbox_reconciler', 'inbox_fetcher'] LOOP
         BEGIN
             EXECUTE format('CREATE ROLE %I LOGIN', name);
         EXCEPTION WHEN duplicate_object THEN
@@ -49,14 +52,15 @@ $roles$;
 -- database owner's call, as other roles may use this database).
 DO $connect$
 BEGIN
-    EXECUTE format('GRANT CONNECT ON DATABASE %I TO inbox_owner, inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics',
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO inbox_owner, inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics, inbox_reconciler, inbox_fetcher',
                    current_database());
 END
 $connect$;
 
 -- The owner: the tables, and the right to create more in the schema (later migrations).
 GRANT USAGE, CREATE ON SCHEMA public TO inbox_owner;
-GRANT USAGE ON SCHEMA public TO inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics;
+GRANT USAGE ON SCHEMA public TO inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics,
+                                inbox_reconciler, inbox_fetcher;
 ALTER TABLE public.webhook_inbox OWNER TO inbox_owner;
 ALTER TABLE public.invoices OWNER TO inbox_owner;
 ALTER TABLE public.outbox OWNER TO inbox_owner;
@@ -66,6 +70,8 @@ ALTER TABLE public.reconciliation_items OWNER TO inbox_owner;
 ALTER TABLE public.refinery_schema_history OWNER TO inbox_owner;
 ALTER TABLE public.queue_gauges OWNER TO inbox_owner;
 ALTER TABLE public.inbox_workers OWNER TO inbox_owner;
+ALTER TABLE public.reconcile_runs OWNER TO inbox_owner;
+ALTER TABLE public.stripe_object_snapshots OWNER TO inbox_owner;
 
 -- Every session of these roles, in this database, resolves names the same way, whatever the
 -- server's default: the inbox's schema, and temporary objects last (pg_catalog, not listed, is
@@ -78,7 +84,7 @@ DO $search_path$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics'] LOOP
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics', 'inbox_reconciler', 'inbox_fetcher'] LOOP
         EXECUTE format('ALTER ROLE %I IN DATABASE %I SET search_path = public, pg_temp',
                        name, current_database());
     END LOOP;
@@ -86,7 +92,8 @@ END
 $search_path$;
 
 -- Everyone may read the schema version (the ingest's /readyz; `migrate` as the owner).
-GRANT SELECT ON public.refinery_schema_history TO inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics;
+GRANT SELECT ON public.refinery_schema_history TO inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics,
+                                                   inbox_reconciler;
 
 -- inbox_ingest: the group-commit INSERT … ON CONFLICT DO NOTHING RETURNING endpoint, event_id.
 -- Column privileges: it can neither read payloads nor change a row once stored. Besides the event
@@ -134,6 +141,10 @@ GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error
       ON public.webhook_inbox TO inbox_operator;
 GRANT SELECT, INSERT, UPDATE ON public.invoices TO inbox_operator;
 GRANT SELECT, INSERT ON public.ledger_entries, public.reconciliation_items TO inbox_operator;
+-- `reconciliation resolve` closes an item: who, when and what was done, nothing else of it (what
+-- the handler recorded stays as it wrote it). Granted again from scratch, like the UPDATEs above.
+REVOKE UPDATE ON public.reconciliation_items FROM inbox_worker, inbox_operator;
+GRANT UPDATE (resolved_at, resolved_by, resolution_note) ON public.reconciliation_items TO inbox_operator;
 GRANT INSERT ON public.outbox TO inbox_operator;
 -- Outbox rows: needs-review --outbox, requeue --outbox (the delivery columns), purge of published rows.
 GRANT SELECT, DELETE ON public.outbox TO inbox_operator;
@@ -141,6 +152,12 @@ GRANT UPDATE (attempts, available_at, parked_at, last_error) ON public.outbox TO
 GRANT SELECT ON public.inbox_workers TO inbox_operator;
 GRANT INSERT (actor, action, target, affected) ON public.operator_audit TO inbox_operator;
 GRANT SELECT (id) ON public.operator_audit TO inbox_operator;
+-- Looking at reconcile's runs (how far an interrupted one got, who started it): read only; only
+-- `reconcile` itself (inbox_reconciler) starts, moves or finishes one.
+GRANT SELECT ON public.reconcile_runs TO inbox_operator;
+-- replay of a thin event re-applies the object snapshot `fetch` kept (the handler reads it in its
+-- transaction): read only, a replay never fetches.
+GRANT SELECT ON public.stripe_object_snapshots TO inbox_operator;
 
 -- inbox_metrics: the columns the gauges, `stats` and the KEDA query count by; not payload or
 -- last_error (which can quote a payload).
@@ -152,5 +169,45 @@ GRANT SELECT ON public.queue_gauges, public.inbox_workers TO inbox_metrics;
 -- or last_error.
 GRANT SELECT (id, aggregate_type, aggregate_id, event_type, created_at, published_at, attempts,
               available_at, parked_at, fencing_token) ON public.outbox TO inbox_metrics;
+
+-- inbox_reconciler: `inbox-worker reconcile` stores the events Stripe's API lists and the inbox
+-- lacks, with the ingest's own INSERT … ON CONFLICT DO NOTHING RETURNING endpoint, event_id, marked
+-- source = 'api' (no signature: the columns of one stay NULL). Column privileges, as the ingest's:
+-- it inserts, reads the key columns (the conflict, RETURNING, and --dry-run's lookup by key) and
+-- never a payload; it updates and deletes no inbox row, and touches no handler's table (the workers
+-- apply what it stores).
+GRANT INSERT (provider, endpoint, event_id, event_type, payload, payload_bytes, held, parked_at, last_error,
+              secret_position, secret_fingerprint, signature_t, source)
+      ON public.webhook_inbox TO inbox_reconciler;
+GRANT SELECT (provider, endpoint, event_id) ON public.webhook_inbox TO inbox_reconciler;
+-- Its runs (V14): finds the endpoint's unfinished one, starts one, and moves its cursor, counts and
+-- lease (every UPDATE fenced on `owner`) until it finishes it. What a run was started with — the
+-- endpoint, account, types, window, actor and start — is never changed. No DELETE: finished runs
+-- stay, as the record of what each walk found. The id is an identity column: inserting draws from
+-- its sequence without a grant on it.
+GRANT SELECT, INSERT ON public.reconcile_runs TO inbox_reconciler;
+GRANT UPDATE (owner, heartbeat_at, starting_after, pages, found, present, inserted, skipped, finished_at, outcome)
+      ON public.reconcile_runs TO inbox_reconciler;
+-- One audit record per finished run (affected = inserted), as the operators write theirs: insert of
+-- the declared columns only (the database fills in db_user and client_addr), RETURNING id.
+GRANT INSERT (actor, action, target, affected) ON public.operator_audit TO inbox_reconciler;
+GRANT SELECT (id) ON public.operator_audit TO inbox_reconciler;
+
+-- inbox_fetcher: `inbox-worker fetch` of a team's binary (the stock one registers no fetched type
+-- and refuses to start it). It claims, marks and applies rows exactly as `run` does, with handlers
+-- that write the same tables: a member of inbox_worker, so it has what the worker has — including
+-- what a team grants inbox_worker for its own tables — and no more, but for the snapshots of the
+-- objects it fetches (V15): which it holds (a join on the claimed events), the first of an object
+-- (INSERT), a newer one replacing an older (ON CONFLICT DO UPDATE). Never deletes one. Granted
+-- again, the membership is only noticed; two runs of this file at once may both add it, and the
+-- second then finds it there.
+DO $fetcher$
+BEGIN
+    GRANT inbox_worker TO inbox_fetcher;
+EXCEPTION WHEN unique_violation THEN
+    NULL;  -- granted by a concurrent run of this file
+END
+$fetcher$;
+GRANT SELECT, INSERT, UPDATE ON public.stripe_object_snapshots TO inbox_fetcher;
 
 RESET search_path;

@@ -5,17 +5,23 @@
 #                 workspace member's manifest is in the dependency layer, COPY sources exist and
 #                 are not excluded by .dockerignore, non-root numeric USER
 #   compose       `docker compose config` (Compose v2; from PyPI when the plugin is absent) with
-#                 the example env file and the operator profile, plus the services/replicas/grace-period
-#                 this project needs (ingest, workers, relay, operator)
-#   k8s           every manifest and every rendered kustomization (base, each overlay) against
+#                 the example env file and the operator, reconcile and fetch profiles, plus the
+#                 services/replicas/grace-period this project needs (ingest, workers, relay, operator,
+#                 reconcile and fetch on demand, the Stripe API key from a variable, never a flag)
+#   k8s           every manifest and every rendered kustomization (base, each overlay, and each
+#                 component of deploy/k8s/components on top of the example overlay) against
 #                 the Kubernetes 1.27 and 1.37 schemas with kubernetes-validate --strict (KEDA's
 #                 ScaledObject and TriggerAuthentication have no schema there: their shape is
 #                 checked here instead), plus the probes, security contexts, grace periods, KEDA
 #                 queries (workers and relays), the relay's signing secret (a mounted Secret
-#                 file, never a literal) and NetworkPolicy ports
+#                 file, never a literal), the reconcile CronJobs (one endpoint each, no
+#                 concurrency, a window well over the interval) and fetch, the Stripe API key (a
+#                 mounted Secret file, never a literal or a flag) and NetworkPolicy ports
 #   systemd       each unit's environment files have an example; the worker's and the relay's
 #                 command, stop timeout above their drain and loopback metrics; the relay's
-#                 signing secret as a credential (LoadCredential), never in an environment file;
+#                 signing secret and the Stripe API keys (reconcile, fetch) as credentials
+#                 (LoadCredential), never in an environment file or on the command line; the
+#                 reconcile timer;
 #                 systemd-analyze verify (when systemd-analyze exists)
 #   database      one role per component (deploy/roles.sql): in compose, k8s and systemd alike,
 #   roles         each component takes its DATABASE_URL from a secret (variable, Secret, file) of
@@ -87,7 +93,7 @@ fi
 ok "kubernetes-validate $("$venv/bin/kubernetes-validate" --version), $("${compose[@]}" version | head -n1), $(promtool --version 2>&1 | head -n1)"
 
 # The role each component logs in as (deploy/roles.sql), for the compose, k8s and systemd checks.
-COMPONENT_ROLES="migrate=inbox_owner ingest=inbox_ingest worker=inbox_worker relay=inbox_relay operator=inbox_operator metrics=inbox_metrics"
+COMPONENT_ROLES="migrate=inbox_owner ingest=inbox_ingest worker=inbox_worker relay=inbox_relay operator=inbox_operator metrics=inbox_metrics reconcile=inbox_reconciler fetch=inbox_fetcher"
 SQL_ROLES=$(grep -o 'ARRAY\[[^]]*\]' deploy/roles.sql | head -n1 | grep -o 'inbox_[a-z_]*' | tr '\n' ' ')
 for pair in $COMPONENT_ROLES; do
     [[ " $SQL_ROLES " == *" ${pair#*=} "* ]] || die "deploy/roles.sql creates no role ${pair#*=} (roles: $SQL_ROLES)"
@@ -171,13 +177,13 @@ ok "deploy/Dockerfile ($(grep -c '^FROM' deploy/Dockerfile) stages), .dockerigno
 # ---------------------------------------------------------------------------------------------
 step "compose"
 "${compose[@]}" -f deploy/compose.yaml --env-file deploy/compose.env.example --profile operator \
-    config --format json > "$work/compose.json" || die "docker compose config"
+    --profile reconcile --profile fetch config --format json > "$work/compose.json" || die "docker compose config"
 COMPOSE_JSON=$work/compose.json "$py" - <<'PY' || die "compose"
 import json, os, re, sys, urllib.parse, yaml
 c = json.load(open(os.environ["COMPOSE_JSON"]))
 s = c["services"]
 errors = []
-for name in ["postgres", "migrate", "ingest", "worker", "relay", "operator"]:
+for name in ["postgres", "migrate", "ingest", "worker", "relay", "operator", "reconcile", "fetch"]:
     if name not in s:
         errors.append(f"no service {name}")
 if not errors:
@@ -191,7 +197,7 @@ if not errors:
     if "DATABASE_URL" in (raw.get("x-app", {}).get("environment") or {}):
         errors.append("x-app: no shared DATABASE_URL (each service sets its own)")
     variables = {}
-    for name in ["migrate", "ingest", "worker", "relay", "operator"]:
+    for name in ["migrate", "ingest", "worker", "relay", "operator", "reconcile", "fetch"]:
         value = (raw["services"][name].get("environment") or {}).get("DATABASE_URL", "")
         m = re.fullmatch(r"\$\{(\w+)(:?[?-][^}]*)?\}", str(value))
         if not m:
@@ -236,6 +242,27 @@ if not errors:
         if not s[name].get("read_only"): errors.append(f"{name}: read_only root filesystem")
     if s["ingest"]["environment"].get("INBOX_LISTEN") != "0.0.0.0:8080":
         errors.append("ingest must listen on 0.0.0.0:8080 in a container")
+    # reconcile: on demand (`run --rm reconcile`), one endpoint per run. fetch: a team binary's
+    # long-running process, started only with its profile.
+    rec = s["reconcile"]
+    if rec.get("entrypoint") != ["inbox-worker", "reconcile"]: errors.append("reconcile: entrypoint inbox-worker reconcile")
+    if "--endpoint" not in (rec.get("command") or []): errors.append("reconcile: --endpoint in its command")
+    if rec.get("restart") not in (None, "no"): errors.append("reconcile must not restart")
+    fetch = s["fetch"]
+    if (fetch.get("command") or [""])[-1] != "fetch": errors.append("fetch: its command ends with `fetch`")
+    if not fetch.get("read_only"): errors.append("fetch: read_only root filesystem")
+    if int(re.fullmatch(r"(\d+)s", fetch.get("stop_grace_period", "10s")).group(1)) <= 30:
+        errors.append("fetch: stop_grace_period must exceed the 30 s drain")
+    if fetch.get("depends_on", {}).get("migrate", {}).get("condition") != "service_completed_successfully":
+        errors.append("fetch must start after migrate completed")
+    for name in ["reconcile", "fetch"]:
+        if name not in s[name].get("profiles", []): errors.append(f"{name}: in a profile of its own, so that `up` leaves it")
+        # The Stripe API key from compose.env (a variable), never a literal or a flag.
+        raw_env = raw["services"][name].get("environment") or {}
+        if not re.fullmatch(r"\$\{\w+(:?[?-][^}]*)?\}", str(raw_env.get("STRIPE_API_KEY", ""))):
+            errors.append(f"{name}: STRIPE_API_KEY must come from a variable of compose.env")
+        line = " ".join((s[name].get("entrypoint") or []) + (s[name].get("command") or []))
+        if re.search(r"api-key|\b[rs]k_(live|test)_", line): errors.append(f"{name}: no Stripe API key on the command line")
 for e in errors: print("   error:", e)
 sys.exit(1 if errors else 0)
 PY
@@ -248,6 +275,20 @@ for dir in deploy/k8s/base deploy/k8s/overlays/*/; do
     dir=${dir%/}
     kustomize_build "$dir" > "$work/k8s/rendered/$(echo "$dir" | tr / _).yaml" || die "kustomize build $dir"
     ok "renders: $dir ($(grep -c '^kind:' "$work/k8s/rendered/$(echo "$dir" | tr / _).yaml") objects)"
+done
+# Each optional component (deploy/k8s/components/NAME) as an overlay enables it: on top of the
+# example overlay, checked below like the overlays.
+for dir in deploy/k8s/components/*/; do
+    [[ -d $dir ]] || continue
+    dir=${dir%/}
+    with=$work/k8s/with-$(basename "$dir")
+    mkdir -p "$with"
+    rel=$("$py" -c 'import os, sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$root" "$with")
+    printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: stripe-inbox\nresources:\n  - %s\ncomponents:\n  - %s\n' \
+        "$rel/deploy/k8s/overlays/example" "$rel/$dir" > "$with/kustomization.yaml"
+    out=$work/k8s/rendered/deploy_k8s_overlays_example+$(echo "$dir" | tr / _ | sed 's/^deploy_k8s_//').yaml
+    kustomize_build "$with" > "$out" || die "kustomize build of $dir on deploy/k8s/overlays/example"
+    ok "renders: $dir on deploy/k8s/overlays/example ($(grep -c '^kind:' "$out") objects)"
 done
 # Split every document into its own file (kubernetes-validate then names it in its messages);
 # Kustomization files are not API objects; KEDA objects are checked by the semantic pass below.
@@ -300,7 +341,7 @@ database_secrets = {name for name, keys in secrets.items() if "DATABASE_URL" in 
 roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
 components = {"migrate": ("Job", "inbox-migrate"), "ingest": ("Deployment", "inbox-ingest"),
               "worker": ("Deployment", "inbox-worker"), "relay": ("Deployment", "inbox-relay"),
-              "operator": ("CronJob", "inbox-purge")}
+              "operator": ("CronJob", "inbox-purge"), "fetch": ("Deployment", "inbox-fetch")}
 def secret_names(spec):
     """Every Secret a pod spec reads: env, envFrom, volumes."""
     names = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
@@ -509,6 +550,80 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
                 if mode & 0o040 and spec.get("securityContext", {}).get("fsGroup") is None:
                     err(where, "relay: the signing Secret's files are group-readable but the pod sets no fsGroup")
 
+    def check_stripe_key(w, spec, c):
+        """The Stripe API key of container `c`: a file of a mounted Secret volume, named by
+        STRIPE_API_KEY_FILE; never a literal, never a flag (the process list shows it)."""
+        env = env_of(c)
+        line = " ".join(c.get("command", []) + c.get("args", []))
+        if re.search(r"api-key|\b[rs]k_(live|test)_", line): err(w, "no Stripe API key on the command line")
+        if "STRIPE_API_KEY" in env: err(w, "the Stripe API key as a mounted Secret file (STRIPE_API_KEY_FILE), not STRIPE_API_KEY")
+        path = env.get("STRIPE_API_KEY_FILE", {}).get("value", "")
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        if not path:
+            err(w, "STRIPE_API_KEY_FILE (the Stripe API key, mounted from a Secret)")
+        elif len(mounts) != 1 or "secret" not in volumes.get(mounts[0]["name"], {}):
+            err(w, f"STRIPE_API_KEY_FILE {path} is not in a mounted Secret volume")
+        else:
+            volume = volumes[mounts[0]["name"]]["secret"]
+            key = path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
+            if key not in secrets.get(volume["secretName"], set()):
+                err(w, f"the Secret {volume['secretName']} has no key {key} in secrets.example.yaml")
+            elif volume["secretName"] in database_secrets:
+                err(w, "the Stripe API key must not share a Secret with a DATABASE_URL")
+            mode = volume.get("defaultMode", 0o644)
+            if mode & 0o007: err(w, f"the Stripe key's Secret files readable by others (defaultMode {oct(mode)})")
+            if mode & 0o040 and spec.get("securityContext", {}).get("fsGroup") is None:
+                err(w, "the Stripe key's Secret files are group-readable but the pod sets no fsGroup")
+
+    # reconcile: one CronJob per endpoint (any names), each running `<binary> reconcile` for one
+    # endpoint, never two runs at once, over a window well wider than the interval (a failed or
+    # missed run is covered by the next ones) and within Stripe's 30 days; all with the reconcile
+    # database Secret.
+    def hours(v):
+        m = re.fullmatch(r"(\d+)([hd])", v or "")
+        return int(m.group(1)) * (24 if m.group(2) == "d" else 1) if m else None
+    reconciles = {n: o for (k, n), o in objs.items() if k == "CronJob"
+                  and pod_spec(o)["containers"][0].get("command", [])[1:2] == ["reconcile"]}
+    if not reconciles: err(where, "no reconcile CronJob (`inbox-worker reconcile`)")
+    endpoints, used = {}, set()
+    for name, cron in reconciles.items():
+        w = f"{where} CronJob/{name}"
+        spec = pod_spec(cron)
+        c = spec["containers"][0]
+        args = c.get("command", [])[2:] + c.get("args", [])
+        flag = lambda f: args[args.index(f) + 1] if f in args[:-1] else None
+        if cron["spec"].get("concurrencyPolicy") != "Forbid": err(w, "concurrencyPolicy: Forbid (one run per endpoint at a time)")
+        endpoint = flag("--endpoint")
+        if not endpoint: err(w, "one endpoint per CronJob: --endpoint NAME")
+        elif endpoint in endpoints: err(w, f"endpoint {endpoint} is reconciled by {endpoints[endpoint]} too")
+        else: endpoints[endpoint] = name
+        since = hours(flag("--since"))
+        every = re.fullmatch(r"\S+ \*/(\d+) \* \* \*", cron["spec"]["schedule"])
+        if since is None: err(w, "--since as hours or days (the window of every run)")
+        elif since > 30 * 24: err(w, f"--since {since}h: Stripe keeps 30 days of events")
+        elif every and since < 2 * int(every.group(1)):
+            err(w, f"--since {since}h must be at least twice the {every.group(1)} h interval (a failed run is covered)")
+        if not flag("--actor"): err(w, "--actor (who operator_audit names)")
+        check_stripe_key(w, spec, c)
+        read = secret_names(spec) & database_secrets
+        if len(read) != 1: err(w, f"must read exactly one database Secret, reads {sorted(read)}")
+        else:
+            used |= read
+            ref = env_of(c).get("DATABASE_URL", {}).get("valueFrom", {}).get("secretKeyRef", {})
+            if ref.get("name") not in read: err(w, f"DATABASE_URL must come from {sorted(read)[0]}")
+    if len(used) > 1: err(where, f"the reconcile CronJobs read different database Secrets {sorted(used)}: one for the component")
+    elif used: database["reconcile"] = used.pop()
+
+    # fetch (deploy/k8s/components/fetch): a team binary's `fetch`, checked as the workers, with its key.
+    fetch = objs.get(("Deployment", "inbox-fetch"))
+    if fetch:
+        c = fetch["spec"]["template"]["spec"]["containers"][0]
+        command = c.get("command", [])
+        if len(command) != 2 or command[1] != "fetch": err(where, f"fetch: command [<your binary>, fetch], not {command}")
+        else: check_processor("fetch", fetch, command, "INBOX_WORKER_METRICS")
+        check_stripe_key(f"{where} Deployment/inbox-fetch", fetch["spec"]["template"]["spec"], c)
+
     for component, secret in database.items():
         user = urllib.parse.urlsplit(example_value(secret, "DATABASE_URL")).username
         if user != roles[component]:
@@ -535,7 +650,7 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
     allowed = set()
     if ingest:
         allowed.add(ingest["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"])
-    for o in (worker, relay):
+    for o in (worker, relay, objs.get(("Deployment", "inbox-fetch"))):
         if o:
             allowed |= {p["containerPort"] for p in o["spec"]["template"]["spec"]["containers"][0].get("ports", [])}
     for p in policies:
@@ -547,8 +662,8 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
 for e in errors: print("   error:", e)
 sys.exit(1 if errors else 0)
 PY
-ok "probes, security contexts, grace periods, KEDA queries, relay signing secret, NetworkPolicy ports, Secret references"
-ok "one database Secret and role per component: migrate, ingest, worker, relay, purge (operator), KEDA (metrics)"
+ok "probes, security contexts, grace periods, KEDA queries, relay signing secret, reconcile CronJobs, Stripe API keys, NetworkPolicy ports, Secret references"
+ok "one database Secret and role per component: migrate, ingest, worker, relay, purge (operator), KEDA (metrics), reconcile, fetch"
 
 # ---------------------------------------------------------------------------------------------
 step "systemd units"
@@ -558,7 +673,8 @@ errors = []
 roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
 units = {"inbox-ingest.service": "ingest", "inbox-worker@.service": "worker",
          "inbox-relay.service": "relay", "inbox-migrate.service": "migrate",
-         "inbox-purge.service": "operator"}
+         "inbox-purge.service": "operator", "inbox-reconcile@.service": "reconcile",
+         "inbox-fetch.service": "fetch"}
 def env_file(path):
     """The variables of an EnvironmentFile (KEY=VALUE lines; comments and blanks skipped)."""
     out = {}
@@ -591,7 +707,8 @@ for example in set(database.values()):
     sharing = sorted(u for u, e in database.items() if e == example)
     if len(sharing) > 1: errors.append(f"{' and '.join(sharing)} share {example}: one DATABASE_URL file per unit")
 # The long-running units: their command, and a stop timeout above their drain (INBOX_SHUTDOWN_TIMEOUT).
-for unit, command in [("inbox-worker@.service", "inbox-worker run"), ("inbox-relay.service", "inbox-worker relay")]:
+for unit, command in [("inbox-worker@.service", "inbox-worker run"), ("inbox-relay.service", "inbox-worker relay"),
+                      ("inbox-fetch.service", "custom-worker fetch")]:
     text = open(f"deploy/systemd/{unit}").read()
     exec_start = re.findall(r"^ExecStart=(.*)$", text, re.M)
     if exec_start != [f"/usr/local/bin/{command}"]:
@@ -613,6 +730,30 @@ if "INBOX_RELAY_SECRET" in env_file("deploy/systemd/relay.env.example") or "INBO
     errors.append("the relay's signing secret belongs in its credential file, not in an environment file")
 if not (env_file("deploy/systemd/relay.env.example").keys() & {"INBOX_RELAY_URL", "INBOX_RELAY_NATS"}):
     errors.append("relay.env.example: a destination (INBOX_RELAY_URL or INBOX_RELAY_NATS)")
+# The Stripe API keys of reconcile and fetch: a credential of the unit, named by STRIPE_API_KEY_FILE;
+# never in an environment file, never on the command line.
+for unit in ["inbox-reconcile@.service", "inbox-fetch.service"]:
+    text = open(f"deploy/systemd/{unit}").read()
+    credential = re.search(r"^LoadCredential=([\w.-]+):(/etc/stripe-inbox/\S+)$", text, re.M)
+    if not credential:
+        errors.append(f"{unit}: the Stripe API key as LoadCredential=ID:/etc/stripe-inbox/…")
+    elif not re.search(rf"^Environment=STRIPE_API_KEY_FILE=%d/{re.escape(credential.group(1))}$", text, re.M):
+        errors.append(f"{unit}: STRIPE_API_KEY_FILE=%d/{credential.group(1)} (the credential)")
+    for line in re.findall(r"^ExecStart=(.*)$", text, re.M):
+        if re.search(r"api-key|\b[rs]k_(live|test)_", line): errors.append(f"{unit}: no Stripe API key on the command line")
+for example in glob.glob("deploy/systemd/*.env.example"):
+    if env_file(example).keys() & {"STRIPE_API_KEY", "STRIPE_API_KEY_FILE"}:
+        errors.append(f"{example}: the Stripe API key belongs in a credential file, not in an environment file")
+# reconcile: a oneshot per endpoint (the instance), run by its timer every few hours over a window
+# well wider than the interval.
+reconcile_unit = open("deploy/systemd/inbox-reconcile@.service").read()
+exec_start = re.findall(r"^ExecStart=(.*)$", reconcile_unit, re.M)
+if not re.search(r"^Type=oneshot$", reconcile_unit, re.M): errors.append("inbox-reconcile@.service: Type=oneshot")
+if len(exec_start) != 1 or not re.fullmatch(r"/usr/local/bin/\S+ reconcile --endpoint %i .*--since \S+.*--actor \S+.*", exec_start[0]):
+    errors.append(f"inbox-reconcile@.service: ExecStart=/usr/local/bin/inbox-worker reconcile --endpoint %i --since … --actor …, not {exec_start}")
+timer = open("deploy/systemd/inbox-reconcile@.timer").read()
+for setting in ["OnCalendar", "RandomizedDelaySec", "Persistent"]:
+    if not re.search(rf"^{setting}=\S", timer, re.M): errors.append(f"inbox-reconcile@.timer: {setting}=")
 for example in sorted(set(glob.glob("deploy/systemd/*.example")) - used):
     errors.append(f"{example}: no unit reads it")
 for e in errors: print("   error:", e)
@@ -622,13 +763,14 @@ ok "each unit's environment files have examples; one DATABASE_URL file and role 
 if command -v systemd-analyze >/dev/null 2>&1; then
     # verify checks that ExecStart's binary exists: point the units at stand-ins.
     mkdir -p "$work/systemd/bin"
-    for b in inbox-ingest inbox-worker; do printf '#!/bin/sh\n' > "$work/systemd/bin/$b"; chmod +x "$work/systemd/bin/$b"; done
+    for b in inbox-ingest inbox-worker custom-worker; do printf '#!/bin/sh\n' > "$work/systemd/bin/$b"; chmod +x "$work/systemd/bin/$b"; done
     for unit in deploy/systemd/*.service deploy/systemd/*.timer; do
         sed "s#/usr/local/bin/#$work/systemd/bin/#g" "$unit" > "$work/systemd/$(basename "$unit")"
     done
     # verify reports unknown or invalid settings as warnings with exit status 0: any output fails.
     out=$(cd "$work/systemd" && systemd-analyze verify --man=no inbox-ingest.service inbox-worker@1.service \
-        inbox-relay.service inbox-migrate.service inbox-purge.service inbox-purge.timer 2>&1) || { echo "$out"; die "systemd-analyze verify"; }
+        inbox-relay.service inbox-migrate.service inbox-purge.service inbox-purge.timer \
+        inbox-reconcile@billing.service inbox-reconcile@billing.timer inbox-fetch.service 2>&1) || { echo "$out"; die "systemd-analyze verify"; }
     [[ -z $out ]] || { echo "${out//$work\/systemd\//deploy/systemd/}"; die "systemd-analyze verify warned"; }
     ok "systemd-analyze verify: $(cd deploy/systemd && echo *.service *.timer)"
 else

@@ -5,10 +5,12 @@
 use std::time::Duration;
 
 use inbox_domain::handler::Registry;
+use inbox_domain::health::EVENT_GENERATION_FAILURE_RESOLVED;
 use inbox_test_support::db::{admin_url, scalar, url_with_dbname};
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::receiver::Receiver;
+use inbox_test_support::stripe_fixtures::{thin_event, Related};
 use inbox_test_support::worker::{eventually, spawn_worker};
 use inbox_test_support::{spawn_app_with, TestDb};
 use tokio_postgres::error::SqlState;
@@ -48,6 +50,19 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
     let app = spawn_app_with(db, move |s| s.database = ingest_config.into()).await;
     let reply = app.post_signed(invoice_paid("evt_roles", "in_roles", 100)).await;
     assert_eq!(reply.status, 200, "{}", reply.text);
+    // An event Stripe failed to generate: the worker records a reconciliation item, an operator
+    // resolves it.
+    let related =
+        Related { id: "pi_roles", object_type: "payment_intent", url: "/v1/payment_intents/pi_roles" };
+    let failure = thin_event(
+        "evt_roles_health",
+        EVENT_GENERATION_FAILURE_RESOLVED,
+        related,
+        None,
+        "2026-10-30T16:05:44.000Z",
+    );
+    let reply = app.post_signed(serde_json::to_vec(&failure).unwrap()).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
     assert_eq!(app.get("/readyz").await.status, 200);
     let db = &app.db;
     forbidden(db, "inbox_ingest", "UPDATE webhook_inbox SET attempts = 0").await;
@@ -70,6 +85,14 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
         .await,
         "the worker processed the event as inbox_worker"
     );
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            scalar(&admin, "SELECT count(*) FROM reconciliation_items WHERE object_id = 'pi_roles'").await
+                == 1
+        })
+        .await,
+        "the worker recorded the reconciliation item as inbox_worker"
+    );
     worker.stop().await;
     forbidden(db, "inbox_worker", "DELETE FROM webhook_inbox").await;
     forbidden(
@@ -79,6 +102,7 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
     )
     .await;
     forbidden(db, "inbox_worker", "DROP TABLE invoices").await;
+    forbidden(db, "inbox_worker", "UPDATE reconciliation_items SET resolved_at = now()").await;
 
     // The relay, as inbox_relay, delivers the outbox row the handler wrote and marks it; it may
     // not write outbox rows, rewrite what a handler wrote, or read anything but the outbox.
@@ -127,6 +151,22 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
         "INSERT INTO operator_audit (actor, action, target, affected, db_user) VALUES ('a', 'b', '{}', 0, 'someone')",
     )
     .await;
+
+    // Reconciliation items: listed and resolved (audited) as inbox_operator, which may change
+    // nothing of an item but its resolution.
+    let (code, output) = operator(db, &["reconciliation"]).await;
+    assert!(code == 0 && output.contains("payment_intent pi_roles"), "{output}");
+    let item =
+        scalar(&admin, "SELECT id FROM reconciliation_items WHERE object_id = 'pi_roles'").await.to_string();
+    let (code, output) = operator(
+        db,
+        &["reconciliation", "resolve", "--id", &item, "--note", "refetched", "--actor", "alice"],
+    )
+    .await;
+    assert_eq!(code, 0, "{output}");
+    forbidden(db, "inbox_operator", "UPDATE reconciliation_items SET reason = reason").await;
+    forbidden(db, "inbox_operator", "UPDATE reconciliation_items SET detail = '{}'").await;
+    forbidden(db, "inbox_operator", "DELETE FROM reconciliation_items").await;
 
     // Metrics, as inbox_metrics: the KEDA count, not the payloads.
     let metrics = inbox_test_support::db::connect(&config_as(db, "inbox_metrics")).await;
@@ -184,9 +224,16 @@ async fn every_component_role_has_a_pinned_search_path_that_a_schema_named_after
         )
         .await
         .unwrap();
-    for role in
-        ["inbox_owner", "inbox_ingest", "inbox_worker", "inbox_relay", "inbox_operator", "inbox_metrics"]
-    {
+    for role in [
+        "inbox_owner",
+        "inbox_ingest",
+        "inbox_worker",
+        "inbox_relay",
+        "inbox_operator",
+        "inbox_metrics",
+        "inbox_reconciler",
+        "inbox_fetcher",
+    ] {
         let client = inbox_test_support::db::connect(&config_as(&db, role)).await;
         let path: String = client.query_one("SHOW search_path", &[]).await.unwrap().get(0);
         assert_eq!(path, "public, pg_temp", "{role}");
@@ -273,4 +320,212 @@ async fn the_worker_and_operator_roles_update_only_the_queue_columns_never_the_e
             .await
             .unwrap_or_else(|e| panic!("{role} updates the queue's columns: {e}"));
     }
+}
+
+/// The key the Stripe stand-in accepts in the tests below.
+const STRIPE_KEY: &str = "rk_test_51InboxRolesKeyForTheReconcilerAndTheFetcher";
+
+/// `inbox-worker reconcile --endpoint billing --json <flags>` as inbox_reconciler against `api`:
+/// (exit code, the report or Null, all output).
+async fn reconcile_as_reconciler(
+    db: &TestDb,
+    api: &inbox_test_support::stripe_api::StripeApi,
+    flags: &[&str],
+) -> (i32, serde_json::Value, String) {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", url_as(db, "inbox_reconciler"))
+        .env("STRIPE_API_KEY", STRIPE_KEY)
+        .env("STRIPE_API_BASE", api.base_url())
+        .args(["reconcile", "--endpoint", "billing", "--since", "2h", "--json", "--actor", "cron"])
+        .args(flags);
+    let (code, stdout, output) = tokio::task::spawn_blocking(move || {
+        inbox_test_support::process::run_split(cmd, Duration::from_secs(60))
+    })
+    .await
+    .unwrap();
+    (code, serde_json::from_str(&stdout).unwrap_or(serde_json::Value::Null), output)
+}
+
+/// `reconcile` runs as inbox_reconciler: it reads the schema version, looks events up by key,
+/// inserts the missing ones (source 'api'), keeps its runs in reconcile_runs — starts, releases on
+/// an error, resumes, replaces, finishes them — and writes its audit record; and it may neither
+/// change nor delete an inbox row, nor read a payload, nor touch a handler's table. inbox_operator
+/// may read the runs, not write them.
+#[tokio::test]
+async fn reconcile_runs_as_inbox_reconciler_which_only_inserts_inbox_rows_and_keeps_its_runs() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying deploy/roles.sql");
+    let api = inbox_test_support::stripe_api::StripeApi::start(STRIPE_KEY).await;
+    // 120 events (two pages of Stripe's list): 60 invoices, each finalized then paid.
+    let start = inbox_test_support::events::now() - 600;
+    let events: Vec<serde_json::Value> = (0..120)
+        .map(|i| {
+            let mut invoice = inbox_test_support::stripe_fixtures::resource("invoice");
+            invoice["id"] = serde_json::json!(format!("in_roles_rec{}", i / 2));
+            let event_type = if i % 2 == 0 { "invoice.finalized" } else { "invoice.paid" };
+            let id = format!("evt_roles_rec{i:03}");
+            inbox_test_support::stripe_fixtures::snapshot_event(&id, event_type, invoice, start + i)
+        })
+        .collect();
+    api.add_events(events.iter().cloned());
+    // One arrived as a webhook; the others never did.
+    let body = serde_json::to_vec(&events[0]).unwrap();
+    inbox_test_support::worker::store_event(&admin, "billing", &body).await;
+    let counts = |report: &serde_json::Value| {
+        (report["already_present"].as_i64(), report["inserted"].as_i64(), report["resumed"].as_bool())
+    };
+
+    let (code, report, output) = reconcile_as_reconciler(&db, &api, &["--dry-run"]).await;
+    assert_eq!(code, 0, "{output}");
+    assert_eq!(counts(&report), (Some(1), Some(119), Some(false)), "{report}");
+    assert_eq!(db.count("reconcile_runs").await, 0, "a dry run writes nothing");
+    // The second page of the next run and of the third one are refused (401: final).
+    api.fail_nth("/v1/events", 2, inbox_test_support::stripe_api::Fault::Unauthorized);
+    api.fail_nth("/v1/events", 5, inbox_test_support::stripe_api::Fault::Unauthorized);
+    let (code, _, output) = reconcile_as_reconciler(&db, &api, &[]).await;
+    assert_ne!(code, 0, "{output}");
+    assert!(!output.contains("could not check the schema version"), "{output}");
+    let (code, report, output) = reconcile_as_reconciler(&db, &api, &[]).await;
+    assert_eq!(code, 0, "{output}");
+    assert_eq!(counts(&report), (Some(1), Some(119), Some(true)), "resumed at its cursor: {report}");
+    assert_eq!(scalar(&admin, "SELECT count(*) FROM webhook_inbox WHERE source = 'api'").await, 119);
+    // Interrupted again, then replaced by a run of other types, which finds everything there.
+    let (code, _, output) = reconcile_as_reconciler(&db, &api, &[]).await;
+    assert_ne!(code, 0, "{output}");
+    let (code, report, output) = reconcile_as_reconciler(&db, &api, &["--types", "invoice.paid"]).await;
+    assert_eq!(code, 0, "{output}");
+    assert_eq!(counts(&report), (Some(60), Some(0), Some(false)), "{report}");
+    let outcomes = inbox_test_support::db::column::<String>(
+        &admin,
+        "SELECT outcome FROM reconcile_runs WHERE finished_at IS NOT NULL ORDER BY id",
+    )
+    .await;
+    assert_eq!(outcomes, ["complete", "replaced", "complete"]);
+    let audit = "SELECT count(*) FROM operator_audit
+                  WHERE action = 'reconcile' AND actor = 'cron' AND db_user = 'inbox_reconciler'";
+    assert_eq!(scalar(&admin, audit).await, 2, "one audit record per finished run, saying who logged in");
+
+    for sql in [
+        "UPDATE webhook_inbox SET attempts = 0",
+        "UPDATE webhook_inbox SET processed_at = now()",
+        "UPDATE webhook_inbox SET payload = payload",
+        "DELETE FROM webhook_inbox",
+        "SELECT payload FROM webhook_inbox",
+        "SELECT * FROM invoices",
+        "UPDATE invoices SET status = status",
+        "INSERT INTO ledger_entries (invoice_id, kind, amount) VALUES ('x', 'payment', 1)",
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', 'b', 'c', '{}')",
+        "UPDATE reconciliation_items SET resolved_at = now()",
+        "SELECT * FROM stripe_object_snapshots",
+        "UPDATE reconcile_runs SET endpoint = 'elsewhere'",
+        "UPDATE reconcile_runs SET actor = 'mallory'",
+        "DELETE FROM reconcile_runs",
+        "UPDATE operator_audit SET actor = 'mallory'",
+        "DELETE FROM operator_audit",
+        "INSERT INTO operator_audit (actor, action, target, affected, db_user) VALUES ('a', 'b', '{}', 0, 'x')",
+    ] {
+        forbidden(&db, "inbox_reconciler", sql).await;
+    }
+    // Operators read the runs (how far an interrupted one got); only reconcile writes them.
+    let operator = inbox_test_support::db::connect(&config_as(&db, "inbox_operator")).await;
+    let seen: i64 = operator.query_one("SELECT count(*) FROM reconcile_runs", &[]).await.unwrap().get(0);
+    assert_eq!(seen, 3);
+    forbidden(&db, "inbox_operator", "UPDATE reconcile_runs SET owner = owner").await;
+    forbidden(&db, "inbox_operator", "DELETE FROM reconcile_runs").await;
+}
+
+/// A handler of a thin event type (`Registry::register_fetched`), as a team writes one: reads the
+/// snapshot `fetch` kept and writes it to the team's own table.
+fn record_account<'a>(
+    tx: &'a deadpool_postgres::Transaction<'_>,
+    event: &'a inbox_domain::inbox::event::InboxEvent,
+) -> inbox_domain::handler::HandlerFuture<'a> {
+    Box::pin(async move {
+        let snapshot = inbox_worker::fetch::snapshot(tx, event).await?;
+        let object = snapshot.object.as_ref().map(|o| o.get().to_owned());
+        tx.execute(
+            "INSERT INTO team_accounts (event_id, object) VALUES ($1, $2::text::jsonb)",
+            &[&event.event_id, &object],
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+/// `fetch` runs as inbox_fetcher: a member of inbox_worker, it claims and marks rows and writes what
+/// a team granted inbox_worker for its handlers, and it keeps the snapshots it fetched — which the
+/// worker role may not write. It may not delete inbox rows, rewrite what Stripe sent, or write the
+/// audit trail.
+#[tokio::test]
+async fn fetch_runs_as_inbox_fetcher_with_the_workers_rights_and_the_snapshots() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying deploy/roles.sql");
+    // A team's own table, granted to inbox_worker in a file of its own (roles.sql's header).
+    admin
+        .batch_execute(
+            "CREATE TABLE team_accounts (event_id text PRIMARY KEY, object jsonb);
+             GRANT SELECT, INSERT, UPDATE ON team_accounts TO inbox_worker;",
+        )
+        .await
+        .unwrap();
+    let api = inbox_test_support::stripe_api::StripeApi::start(STRIPE_KEY).await;
+    let url = "/v2/core/accounts/acct_roles";
+    api.add_object(url, serde_json::json!({ "id": "acct_roles", "object": "v2.core.account" }));
+    let related = Related { id: "acct_roles", object_type: "v2.core.account", url };
+    let event =
+        thin_event("evt_roles_thin", "v2.core.account.updated", related, None, "2026-10-30T16:05:44.000Z");
+    inbox_test_support::worker::store_event(&admin, "billing", &serde_json::to_vec(&event).unwrap()).await;
+
+    let mut registry = Registry::new();
+    registry.register_fetched("v2.core.account.updated", record_account);
+    let mut config =
+        inbox_worker::stripe::Config::new(inbox_worker::stripe::ApiKey::new(STRIPE_KEY).unwrap());
+    config.base = api.base_url();
+    let fetcher = inbox_worker::fetch::Fetcher::new(
+        inbox_worker::stripe::Client::new(config).unwrap(),
+        4,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    );
+    let fetcher_config = config_as(&db, "inbox_fetcher");
+    let worker = spawn_worker(&db, registry.only_fetched(), move |s| {
+        s.database = fetcher_config.into();
+        s.fetcher = Some(std::sync::Arc::new(fetcher));
+    })
+    .await;
+    let applied = eventually(Duration::from_secs(15), || async {
+        scalar(&admin, "SELECT count(*) FROM team_accounts WHERE object ->> 'id' = 'acct_roles'").await == 1
+    })
+    .await;
+    worker.stop().await;
+    assert!(applied, "fetch applied the thin event as inbox_fetcher");
+    assert_eq!(scalar(&admin, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NOT NULL").await, 1);
+    let kept = "SELECT count(*) FROM stripe_object_snapshots WHERE url = '/v2/core/accounts/acct_roles'";
+    assert_eq!(scalar(&admin, kept).await, 1, "the snapshot fetch kept as inbox_fetcher");
+
+    for sql in [
+        "DELETE FROM webhook_inbox",
+        "UPDATE webhook_inbox SET payload = payload",
+        "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+         VALUES ('stripe', 'billing', 'evt_x', 'x', '{}')",
+        "DELETE FROM stripe_object_snapshots",
+        "INSERT INTO operator_audit (actor, action, target, affected) VALUES ('f', 'x', '{}', 0)",
+        "SELECT * FROM reconcile_runs",
+        "UPDATE reconciliation_items SET resolved_at = now()",
+        "DROP TABLE stripe_object_snapshots",
+    ] {
+        forbidden(&db, "inbox_fetcher", sql).await;
+    }
+    // The snapshots are fetch's: `run` never writes one, a replay only reads them.
+    let snapshot = "INSERT INTO stripe_object_snapshots (account, url, object_id, object_type, as_of)
+                    VALUES ('', '/v1/x/1', '1', 'x', now())";
+    forbidden(&db, "inbox_worker", snapshot).await;
+    forbidden(&db, "inbox_worker", "SELECT * FROM stripe_object_snapshots").await;
+    forbidden(&db, "inbox_operator", snapshot).await;
+    let operator = inbox_test_support::db::connect(&config_as(&db, "inbox_operator")).await;
+    let kept: i64 =
+        operator.query_one("SELECT count(*) FROM stripe_object_snapshots", &[]).await.unwrap().get(0);
+    assert_eq!(kept, 1, "inbox_operator reads the snapshots a replay re-applies");
 }
