@@ -35,10 +35,16 @@ async fn a_write_retried_after_a_500_carries_the_same_idempotency_key() {
 #[tokio::test]
 async fn a_request_stalled_past_the_timeout_is_retried_and_a_connected_account_is_named() {
     let api = StripeApi::start(KEY).await;
-    api.add_object_for_account("acct_1Connected", "/v1/customers/cus_1", json!({"id": "cus_1", "object": "customer"}));
+    api.add_object_for_account(
+        "acct_1Connected",
+        "/v1/customers/cus_1",
+        json!({"id": "cus_1", "object": "customer"}),
+    );
     api.fail_nth("/v1/customers", 1, Fault::Stall(Duration::from_secs(3)));
-    let options = RequestOptions { stripe_account: Some("acct_1Connected".into()), ..RequestOptions::default() };
-    let object = client(&api, Duration::from_millis(500)).retrieve("/v1/customers/cus_1", &options).await.unwrap();
+    let options =
+        RequestOptions { stripe_account: Some("acct_1Connected".into()), ..RequestOptions::default() };
+    let object =
+        client(&api, Duration::from_millis(500)).retrieve("/v1/customers/cus_1", &options).await.unwrap();
     assert!(object.get().contains("\"cus_1\""));
     let requests = api.requests();
     assert_eq!(requests.len(), 2, "the stalled request, then its retry");

@@ -144,14 +144,15 @@ impl Fetcher {
         }
 
         let fetches = objects.into_iter().map(|((account, url), target)| async move {
-            let outcome = tokio::time::timeout(self.fetch_deadline, self.fetch_one(pool, account, url, target))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(format!(
-                        "fetching {url} took longer than {:?} (half the lease), retries included",
-                        self.fetch_deadline
-                    ))
-                });
+            let outcome =
+                tokio::time::timeout(self.fetch_deadline, self.fetch_one(pool, account, url, target))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(format!(
+                            "fetching {url} took longer than {:?} (half the lease), retries included",
+                            self.fetch_deadline
+                        ))
+                    });
             ((account.to_owned(), url.to_owned()), outcome)
         });
         let outcomes: HashMap<(String, String), Result<(), String>> =

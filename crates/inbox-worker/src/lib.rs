@@ -71,11 +71,11 @@ pub mod stripe;
 
 /// What a handler needs, and what a worker binary registers.
 pub mod prelude {
+    pub use crate::fetch::{snapshot, Snapshot};
     pub use deadpool_postgres::Transaction;
     pub use inbox_domain::handler::{BatchHandler, Handler, HandlerError, HandlerFuture, Registry};
     pub use inbox_domain::inbox::event::{InboxEvent, RelatedObject};
     pub use inbox_domain::inbox::schema::Migrations;
-    pub use crate::fetch::{snapshot, Snapshot};
 }
 
 /// The whole worker binary with `registry`'s handlers and migrations: parses the command line
@@ -166,8 +166,7 @@ async fn dispatch(cli: cli::Cli, mut registry: Registry, program: &str) -> anyho
             let mut settings = runner::Settings::from_args(database, args.run.max_attempts, &args.run)?;
             settings.program = program.to_owned();
             let db_timeout = args.run.statement_timeout.max(std::time::Duration::from_secs(5));
-            settings.fetcher =
-                Some(std::sync::Arc::new(fetch::Fetcher::new(
+            settings.fetcher = Some(std::sync::Arc::new(fetch::Fetcher::new(
                 args.stripe.client()?,
                 args.max_fetches,
                 db_timeout,

@@ -1219,12 +1219,18 @@ async fn the_teams_binary_relays_what_its_handlers_write_to_the_outbox() {
 async fn run_refuses_an_ignore_pattern_that_would_swallow_the_thin_types_fetch_applies() {
     let db = migrated_db().await;
     let client = db.client().await;
-    store_event(&client, "billing", &bytes(&thin("evt_ignored_by_run", METER_ERROR, &meter("mtr_1Kept"), None))).await;
+    store_event(
+        &client,
+        "billing",
+        &bytes(&thin("evt_ignored_by_run", METER_ERROR, &meter("mtr_1Kept"), None)),
+    )
+    .await;
     for pattern in ["*", "v1.billing.*", METER_ERROR] {
         let (code, output) = exec(custom_worker(&db, &["run", "--ignore", pattern])).await;
         assert_eq!(code, 1, "{output}");
         assert!(
-            output.contains(&format!("the ignore pattern {pattern}")) && output.contains("applies with `fetch`"),
+            output.contains(&format!("the ignore pattern {pattern}"))
+                && output.contains("applies with `fetch`"),
             "{output}"
         );
     }
