@@ -214,7 +214,8 @@ const API_KEY: &str = "rk_test_51CustomWorkerReadsMetersAndAccounts";
 /// the way operators give it (`STRIPE_API_KEY`), started and ready.
 async fn start_fetch(db: &TestDb, api: &StripeApi, flags: &[&str]) -> Proc {
     let mut cmd = custom_worker(db, &["fetch", "--poll-interval", "100ms"]);
-    cmd.env("STRIPE_API_KEY", API_KEY).env("STRIPE_API_BASE", api.base_url()).args(flags);
+    // Every log line, debug included, is checked for the key when the worker stops.
+    cmd.env("STRIPE_API_KEY", API_KEY).env("STRIPE_API_BASE", api.base_url()).env("RUST_LOG", "debug").args(flags);
     start_ready(cmd).await
 }
 
@@ -224,6 +225,7 @@ async fn stop_worker(mut worker: Proc) {
     let (status, output) =
         tokio::task::spawn_blocking(move || (worker.wait(TIMEOUT), worker.output())).await.unwrap();
     assert_eq!(status.code(), Some(0), "SIGTERM must stop the worker cleanly:\n{output}");
+    assert!(!output.contains(API_KEY) && !output.contains(&API_KEY[8..]), "the Stripe key leaked:\n{output}");
 }
 
 /// `inbox-ingest` on `db` with endpoint `billing` (secret A); returns it and its base URL.
