@@ -126,6 +126,9 @@ pub enum Command {
     /// List the reconciliation items a person must settle (open ones; --all for every one), or
     /// close one: `reconciliation resolve --id N --note TEXT` (audited).
     Reconciliation(ops::reconciliation::Args),
+    /// Serve the operators' web page (overview, needs review, event detail, outbox,
+    /// reconciliation, audit log, and the actions), or print a users-file line (`hash-password`).
+    Console(crate::console::ConsoleArgs),
     /// Apply the thin events whose handler needs their object (Registry::register_fetched):
     /// fetch each object once per burst, keep the snapshot, then process like `run`.
     Fetch(crate::fetch::FetchArgs),
@@ -151,7 +154,11 @@ impl Command {
             Command::Verify(a) => a.output.json,
             Command::Reconciliation(a) => a.json(),
             Command::Reconcile(a) => a.output.json,
-            Command::Migrate | Command::Run(_) | Command::Relay(_) | Command::Fetch(_) => false,
+            Command::Migrate
+            | Command::Run(_)
+            | Command::Relay(_)
+            | Command::Fetch(_)
+            | Command::Console(_) => false,
         }
     }
 }

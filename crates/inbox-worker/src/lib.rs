@@ -54,6 +54,7 @@ mod cli;
 pub mod completer;
 #[doc(hidden)]
 pub mod conn;
+pub mod console;
 #[doc(hidden)]
 pub mod executor;
 pub mod fetch;
@@ -151,6 +152,7 @@ async fn dispatch(cli: cli::Cli, mut registry: Registry, program: &str) -> anyho
             settings.program = program.to_owned();
             runner::run(settings, registry.without_fetched(), runner::os_signals()).await
         }
+        cli::Command::Console(args) => console::run(args, database, registry).await,
         cli::Command::Fetch(args) => {
             if args.run.ignore.iter().any(|p| !p.trim().is_empty()) {
                 tracing::warn!(

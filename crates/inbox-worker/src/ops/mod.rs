@@ -155,8 +155,8 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Verify(args) => verify::run(&**conn, &args).await,
         Command::Reconciliation(args) => reconciliation::run(&mut conn, &args).await,
         Command::Reconcile(args) => reconcile::run(&mut conn, registry, &args).await,
-        Command::Run(_) | Command::Relay(_) | Command::Fetch(_) => {
-            unreachable!("`run`, `relay` and `fetch` are not operator commands")
+        Command::Run(_) | Command::Relay(_) | Command::Fetch(_) | Command::Console(_) => {
+            unreachable!("`run`, `relay`, `fetch` and `console` are not operator commands")
         }
     }
 }
