@@ -215,7 +215,10 @@ const API_KEY: &str = "rk_test_51CustomWorkerReadsMetersAndAccounts";
 async fn start_fetch(db: &TestDb, api: &StripeApi, flags: &[&str]) -> Proc {
     let mut cmd = custom_worker(db, &["fetch", "--poll-interval", "100ms"]);
     // Every log line, debug included, is checked for the key when the worker stops.
-    cmd.env("STRIPE_API_KEY", API_KEY).env("STRIPE_API_BASE", api.base_url()).env("RUST_LOG", "debug").args(flags);
+    cmd.env("STRIPE_API_KEY", API_KEY)
+        .env("STRIPE_API_BASE", api.base_url())
+        .env("RUST_LOG", "debug")
+        .args(flags);
     start_ready(cmd).await
 }
 
