@@ -4,6 +4,8 @@
 mod bad_input;
 mod broken_orderings;
 mod connection;
+mod console;
+mod console_actions;
 mod docs;
 mod endpoint_watchdog;
 mod failover;

@@ -123,6 +123,14 @@ fn program_name() -> String {
 
 /// Runs the parsed command.
 async fn dispatch(cli: cli::Cli, mut registry: Registry, program: &str) -> anyhow::Result<()> {
+    // Printing a users-file line needs no database.
+    if let cli::Command::Console(console::ConsoleArgs {
+        action: Some(console::ConsoleAction::HashPassword(args)),
+        ..
+    }) = &cli.command
+    {
+        return console::hash_password(args);
+    }
     let url = cli
         .global
         .database_url

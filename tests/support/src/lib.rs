@@ -4,12 +4,14 @@
 //! ([`events`]), a TCP proxy that can refuse or swallow database connections ([`proxy`]), a
 //! PostgreSQL cluster that takes TLS connections only ([`tls`]) and a PgBouncer in transaction
 //! mode ([`pgbouncer`]), an HTTP receiver for the relay ([`receiver`]) and nats-server with
-//! JetStream, single or clustered ([`nats`]).
+//! JetStream, single or clustered ([`nats`]); the operator console as a process with its users and
+//! rows worth showing ([`console`]).
 //!
 //! Every test needs `DATABASE_URL` pointing at a PostgreSQL where it may create databases
 //! (`make test` starts a local one and sets it).
 
 pub mod app;
+pub mod console;
 pub mod db;
 pub mod events;
 pub mod nats;

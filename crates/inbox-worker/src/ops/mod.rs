@@ -9,6 +9,12 @@
 //! one record for a change of one event; for a command that works in batches (`requeue --all`,
 //! `purge`) a record when it starts, then one per batch (see `admin::INSERT_AUDIT_SQL`).
 //! `--dry-run` changes nothing and writes no audit.
+//!
+//! The commands that change rows do it in library functions that return what they did —
+//! `requeue::requeue_one`, `requeue::count_matching` and `requeue::requeue_matching`,
+//! `replay::replay_one`, `dismiss::dismiss_one`, `reconciliation::resolve` — which `run` presents
+//! and the web console's actions (`crate::console::actions`) call too, with the signed-in operator
+//! as the [`Actor`]. A refusal is a [`Refused`] error, which the console shows as an answer.
 
 pub mod dismiss;
 pub mod migrate;
@@ -57,6 +63,66 @@ pub struct EventArgs {
     pub endpoint: Option<String>,
 }
 
+/// A command's refusal: what it will not do, and why; nothing changed. The CLI prints it as any
+/// error (`<name>: error: …`, exit 1); the console shows it to the operator as an answer (409),
+/// not as a failure. Database and connection errors are not refusals.
+#[derive(Debug)]
+pub struct Refused(pub String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// Returns a [`Refused`] error with the formatted message (as `anyhow::bail!` does a plain one).
+macro_rules! refuse {
+    ($($arg:tt)*) => {
+        return Err(anyhow::Error::from($crate::ops::Refused(format!($($arg)*))))
+    };
+}
+pub(crate) use refuse;
+
+/// Who acts, as `operator_audit` records it: the name (`actor`), and where the change came from
+/// when not from the command line — `via` in the record's target (`"console"`).
+#[derive(Debug, Clone, Copy)]
+pub struct Actor<'a> {
+    pub name: &'a str,
+    pub via: Option<&'static str>,
+}
+
+impl<'a> Actor<'a> {
+    /// An operator at the command line (the records say nothing more).
+    pub fn cli(name: &'a str) -> Self {
+        Actor { name, via: None }
+    }
+
+    /// An operator signed in to the web console.
+    pub fn console(name: &'a str) -> Self {
+        Actor { name, via: Some("console") }
+    }
+
+    /// Writes an audit record ([`admin::insert_audit`]) for this actor, `via` added to the target.
+    pub async fn audit(
+        &self,
+        client: &(impl tokio_postgres::GenericClient + Sync),
+        action: &str,
+        target: &serde_json::Value,
+        affected: u64,
+    ) -> Result<i64, tokio_postgres::Error> {
+        match (self.via, target) {
+            (Some(via), serde_json::Value::Object(fields)) => {
+                let mut fields = fields.clone();
+                fields.insert("via".to_owned(), via.into());
+                admin::insert_audit(client, self.name, action, &fields.into(), affected).await
+            }
+            _ => admin::insert_audit(client, self.name, action, target, affected).await,
+        }
+    }
+}
+
 /// Who is acting, for `operator_audit`.
 #[derive(Debug, Args, Clone)]
 pub struct ActorArgs {
@@ -70,6 +136,11 @@ impl ActorArgs {
     /// The actor recorded (filled by [`execute`] before any command runs).
     pub fn name(&self) -> &str {
         self.actor.as_deref().unwrap_or("unknown")
+    }
+
+    /// The actor of a command-line run.
+    pub fn actor(&self) -> Actor<'_> {
+        Actor::cli(self.name())
     }
 
     /// Without --actor or $USER (a container, cron): the operating system's name of the user
@@ -199,13 +270,13 @@ async fn lock_one_event(
         admin::lock_event(tx, event_id, endpoint).await.map_err(db_error("looking up the event"))?;
     match rows.len() {
         0 => match endpoint {
-            Some(endpoint) => anyhow::bail!("no event {event_id} for endpoint {endpoint} in the inbox"),
-            None => anyhow::bail!("no event {event_id} in the inbox"),
+            Some(endpoint) => refuse!("no event {event_id} for endpoint {endpoint} in the inbox"),
+            None => refuse!("no event {event_id} in the inbox"),
         },
         1 => Ok(rows.remove(0)),
         _ => {
             let endpoints: Vec<&str> = rows.iter().map(|r| r.endpoint.as_str()).collect();
-            anyhow::bail!(
+            refuse!(
                 "event {event_id} is stored for several endpoints ({}): pass --endpoint to choose one",
                 endpoints.join(", ")
             )

@@ -405,11 +405,11 @@ fn span_for(limit: i64, deleted: i64, pages: i64) -> i64 {
 /// The first SIGTERM or SIGINT asks a batched command (`purge`, `requeue --all`) to stop after the
 /// batch in flight; a second exits at once (the batch in flight then rolls back, its audit record
 /// with it, when the connection closes).
-pub(super) struct StopSignal(watch::Receiver<Option<&'static str>>);
+pub struct StopSignal(watch::Receiver<Option<&'static str>>);
 
 impl StopSignal {
     /// Starts listening (from now on the signals no longer end the process at once).
-    pub(super) fn install() -> StopSignal {
+    pub fn install() -> StopSignal {
         let (tx, rx) = watch::channel(None);
         #[cfg(unix)]
         {
@@ -446,7 +446,7 @@ impl StopSignal {
     }
 
     /// The signal received, if one was.
-    pub(super) fn received(&self) -> Option<&'static str> {
+    pub fn received(&self) -> Option<&'static str> {
         *self.0.borrow()
     }
 }

@@ -7,12 +7,12 @@
 
 use clap::{Args as ClapArgs, Subcommand};
 use inbox_domain::inbox::store::reconciliation::{self, ReconciliationItem};
-use inbox_domain::inbox::store::{admin, set_limits};
+use inbox_domain::inbox::store::set_limits;
 use serde::Serialize;
 
 use super::db_error;
 use super::output::{emit, emit_json, one_line, plural, OutputArgs, Table};
-use super::{ActorArgs, LIMITS};
+use super::{refuse, Actor, ActorArgs, LIMITS};
 
 /// Flags of `reconciliation`.
 #[derive(Debug, ClapArgs)]
@@ -78,7 +78,7 @@ const TABLE_NOTE_WIDTH: usize = 60;
 /// `reconciliation` and `reconciliation resolve`.
 pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow::Result<()> {
     match &args.action {
-        Some(Action::Resolve(resolve_args)) => resolve(client, resolve_args).await,
+        Some(Action::Resolve(resolve_args)) => present_resolve(client, resolve_args).await,
         None => list(&***client, args).await,
     }
 }
@@ -184,58 +184,86 @@ struct Resolved<'a> {
 /// The audit record's action.
 const AUDIT_ACTION: &str = "resolve-reconciliation";
 
-/// `reconciliation resolve --id N --note TEXT`: lock the item, refuse an unknown or closed one,
-/// close it and write the audit record, one transaction.
-async fn resolve(client: &mut deadpool_postgres::Object, args: &ResolveArgs) -> anyhow::Result<()> {
-    let id = args.id;
+/// What [`resolve`] did.
+#[derive(Debug, Clone)]
+pub struct Resolution {
+    /// The item as it was before (open).
+    pub item: ReconciliationItem,
+    /// What the item is about (its invoice, or the object to re-fetch), as the listing says.
+    pub about: String,
+    /// RFC 3339, UTC.
+    pub resolved_at: String,
+    pub resolved_by: String,
+    /// The note kept (trimmed).
+    pub note: String,
+    pub audit_id: i64,
+}
+
+/// `reconciliation resolve --id N --note TEXT`: [`resolve`], presented.
+async fn present_resolve(client: &mut deadpool_postgres::Object, args: &ResolveArgs) -> anyhow::Result<()> {
+    let done = resolve(client, args.id, &args.note, args.actor.actor()).await?;
+    if args.output.json {
+        return emit_json(&Resolved {
+            action: AUDIT_ACTION,
+            id: done.item.id,
+            reason: &done.item.reason,
+            resolved_at: &done.resolved_at,
+            resolved_by: &done.resolved_by,
+            note: &done.note,
+            audit_id: done.audit_id,
+        });
+    }
+    emit(&format!(
+        "resolved reconciliation item {} ({}, {}): closed at {}; audit record {}\n",
+        done.item.id, done.item.reason, done.about, done.resolved_at, done.audit_id
+    ))
+}
+
+/// Closes the open reconciliation item `id` with `note` (what was done; trimmed, required) and the
+/// audit record, in one transaction: lock the item, refuse an unknown or closed one, close it.
+pub async fn resolve(
+    client: &mut deadpool_postgres::Object,
+    id: i64,
+    note: &str,
+    actor: Actor<'_>,
+) -> anyhow::Result<Resolution> {
+    let note = match non_empty_note(note) {
+        Ok(note) => note,
+        Err(why) => refuse!("{why}"),
+    };
     let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
     set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
-    let item = reconciliation::lock_item(&*tx, id)
-        .await
-        .map_err(db_error("looking up the reconciliation item"))?
-        .ok_or_else(|| {
-            anyhow::anyhow!("no reconciliation item {id}: `inbox-worker reconciliation --all` lists them")
-        })?;
+    let Some(item) =
+        reconciliation::lock_item(&*tx, id).await.map_err(db_error("looking up the reconciliation item"))?
+    else {
+        refuse!("no reconciliation item {id}: `inbox-worker reconciliation --all` lists them");
+    };
     if let Some(at) = &item.resolved_at {
-        anyhow::bail!(
+        refuse!(
             "reconciliation item {id} ({}) was already resolved at {at} by {}: {}",
             item.reason,
             item.resolved_by.as_deref().unwrap_or("?"),
             item.resolution_note.as_deref().unwrap_or("")
         );
     }
-    let who = args.actor.name();
-    let resolved_at = reconciliation::resolve(&*tx, id, who, &args.note)
+    let who = actor.name;
+    let Some(resolved_at) = reconciliation::resolve(&*tx, id, who, &note)
         .await
         .map_err(db_error("resolving the reconciliation item"))?
-        .ok_or_else(|| anyhow::anyhow!("reconciliation item {id} changed meanwhile: nothing resolved"))?;
+    else {
+        refuse!("reconciliation item {id} changed meanwhile: nothing resolved");
+    };
     let target = serde_json::json!({
         "table": "reconciliation_items",
         "id": id,
         "reason": item.reason,
         "event_id": item.event_id,
-        "note": args.note,
+        "note": note,
     });
-    let audit_id = admin::insert_audit(&*tx, who, AUDIT_ACTION, &target, 1)
-        .await
-        .map_err(db_error("writing the audit record"))?;
+    let audit_id =
+        actor.audit(&*tx, AUDIT_ACTION, &target, 1).await.map_err(db_error("writing the audit record"))?;
     tx.commit().await.map_err(db_error("committing the resolution"))?;
-    if args.output.json {
-        return emit_json(&Resolved {
-            action: AUDIT_ACTION,
-            id,
-            reason: &item.reason,
-            resolved_at: &resolved_at,
-            resolved_by: who,
-            note: &args.note,
-            audit_id,
-        });
-    }
-    emit(&format!(
-        "resolved reconciliation item {id} ({}, {}): closed at {resolved_at}; audit record {audit_id}\n",
-        item.reason,
-        about(&item)
-    ))
+    Ok(Resolution { about: about(&item), item, resolved_at, resolved_by: who.to_owned(), note, audit_id })
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use serde::Serialize;
 
 use super::output::{emit, emit_json, plural, AfterReport, OutputArgs};
 use super::purge::StopSignal;
-use super::{db_error, lock_one_event, ActorArgs, LIMITS};
+use super::{db_error, lock_one_event, refuse, Actor, ActorArgs, LIMITS};
 
 /// `replay --event-type` refuses more events than this at once without `--yes`.
 pub const CONFIRM_ABOVE: usize = 100;
@@ -100,177 +100,41 @@ pub async fn run(
     args: &Args,
 ) -> anyhow::Result<()> {
     match (&args.event_id, &args.event_type) {
-        (Some(event_id), None) => replay_one(client, registry, pooler, args, event_id).await,
+        (Some(event_id), None) => present_one(client, registry, pooler, args, event_id).await,
         (None, Some(event_type)) => replay_type(client, registry, pooler, args, event_type).await,
         _ => anyhow::bail!("pass either --event-id or --event-type"),
     }
 }
 
-/// `replay --event-id`.
-async fn replay_one(
+/// `replay --event-id`: [`replay_one`], presented.
+async fn present_one(
     client: &mut deadpool_postgres::Object,
     registry: &Registry,
     pooler: Pooler,
     args: &Args,
     event_id: &str,
 ) -> anyhow::Result<()> {
-    let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
-    set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
-    let row = lock_one_event(&*tx, event_id, args.endpoint.as_deref()).await?;
-    if row.processed_at.is_none() {
-        anyhow::bail!(
-            "event {event_id} (endpoint {}) is not processed yet; requeue it instead \
-             (`requeue --event-id {event_id}`) or let the workers take it",
-            row.endpoint
-        );
-    }
-    let Some(handler) = registry.get(&row.event_type) else {
-        anyhow::bail!(
-            "event {event_id} (endpoint {}) is a {} event, which this binary has no handler for \
-             (it handles: {}): nothing to replay, nothing changed",
-            row.endpoint,
-            row.event_type,
-            registry.event_types().join(", ")
-        );
-    };
-    let Some(payload) = row.payload else {
-        anyhow::bail!(
-            "event {event_id} (endpoint {}) has no payload to replay: its body was kept as raw bytes \
-             (unstorable as jsonb); nothing changed",
-            row.endpoint
-        );
-    };
-    let event = InboxEvent::new(
-        PROVIDER_STRIPE.to_owned(),
-        row.endpoint.clone(),
-        event_id.to_owned(),
-        row.event_type.clone(),
-        payload,
-    );
-    let applied = handler.handle(&tx, &event).await;
-    if args.dry_run {
-        let changes = match applied {
-            Ok(()) => admin::transaction_changes(&*tx, &["webhook_inbox"])
-                .await
-                .map_err(db_error("reading what the handler changed"))?,
-            Err(e) => {
-                let _ = tx.rollback().await;
-                anyhow::bail!(
-                    "dry run of event {event_id} (endpoint {}, {}): the handler fails, so a replay \
-                     would change nothing: {e}",
-                    event.endpoint,
-                    event.event_type
-                );
-            }
-        };
-        if pooler == Pooler::Transaction {
-            tx.statement_cache.clear();
-        }
-        tx.rollback().await.map_err(db_error("rolling the dry run back"))?;
-        return report_dry_run(client, args, &event, &changes).await;
-    }
-    if pooler == Pooler::Transaction {
-        // Close the statements the handler prepared before the transaction ends, on the server
-        // connection that has them (as the worker's executor does).
-        tx.statement_cache.clear();
-    }
-    if let Err(e) = applied {
-        let _ = tx.rollback().await;
-        anyhow::bail!(
-            "replay of event {event_id} (endpoint {}, {}) failed, nothing changed: {e}",
-            event.endpoint,
-            event.event_type
-        );
-    }
-    queue::mark_processed(&tx, &[row.ctid.as_str()])
-        .await
-        .map_err(db_error("marking the event processed"))?;
-    // A row a person dismissed is applied after all: it is no longer "closed unapplied".
-    admin::undismiss(&*tx, &event.endpoint, event_id).await.map_err(db_error("clearing the dismissal"))?;
-    let target = event_target(&event);
-    let audit_id = admin::insert_audit(&*tx, args.actor.name(), "replay", &target, 1)
-        .await
-        .map_err(db_error("writing the audit record"))?;
-    tx.commit().await.map_err(db_error("committing the replay"))?;
-
+    let report = replay_one(
+        client,
+        registry,
+        pooler,
+        event_id,
+        args.endpoint.as_deref(),
+        args.actor.actor(),
+        args.dry_run,
+    )
+    .await?;
     if args.output.json {
-        return emit_json(&OneReport::of("replay", &event, None, audit_id));
+        return emit_json(&report);
     }
-    emit(&format!(
-        "replayed event {event_id} (endpoint {}, {}): handler applied; audit record {audit_id}\n",
-        event.endpoint, event.event_type
-    ))
-}
-
-/// The audit target of a replay of one event.
-fn event_target(event: &InboxEvent) -> serde_json::Value {
-    serde_json::json!({
-        "provider": PROVIDER_STRIPE,
-        "endpoint": event.endpoint,
-        "event_id": event.event_id,
-        "event_type": event.event_type,
-    })
-}
-
-/// What `replay --event-id --json` prints (with `--dry-run`: nothing changed, and what would).
-#[derive(Serialize)]
-struct OneReport<'a> {
-    action: &'static str,
-    endpoint: &'a str,
-    event_id: &'a str,
-    event_type: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    changed: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    would_change: Option<&'a [admin::TableChange]>,
-    audit_id: i64,
-}
-
-impl<'a> OneReport<'a> {
-    fn of(
-        action: &'static str,
-        event: &'a InboxEvent,
-        would_change: Option<&'a [admin::TableChange]>,
-        audit_id: i64,
-    ) -> Self {
-        OneReport {
-            action,
-            endpoint: &event.endpoint,
-            event_id: &event.event_id,
-            event_type: &event.event_type,
-            changed: would_change.map(|_| false),
-            would_change,
-            audit_id,
-        }
-    }
-}
-
-/// Audits a `replay --event-id --dry-run` (what it would change, `affected` 0) and prints it.
-async fn report_dry_run(
-    client: &deadpool_postgres::Object,
-    args: &Args,
-    event: &InboxEvent,
-    changes: &[admin::TableChange],
-) -> anyhow::Result<()> {
-    let counts: serde_json::Map<String, serde_json::Value> = changes
-        .iter()
-        .map(|c| {
-            let counts =
-                serde_json::json!({"inserted": c.inserted, "updated": c.updated, "deleted": c.deleted});
-            (c.table.clone(), counts)
-        })
-        .collect();
-    let mut target = event_target(event);
-    target["would_change"] = counts.into();
-    let audit_id = admin::insert_audit(&***client, args.actor.name(), "replay-dry-run", &target, 0)
-        .await
-        .map_err(db_error("writing the audit record"))?;
-    if args.output.json {
-        return emit_json(&OneReport::of("replay-dry-run", event, Some(changes), audit_id));
-    }
+    let OneReport { endpoint, event_type, audit_id, .. } = &report;
+    let Some(changes) = &report.would_change else {
+        return emit(&format!(
+            "replayed event {event_id} (endpoint {endpoint}, {event_type}): handler applied; audit record {audit_id}\n"
+        ));
+    };
     let mut text = format!(
-        "dry run of event {} (endpoint {}, {}): nothing changed (rolled back); audit record {audit_id}\n",
-        event.event_id, event.endpoint, event.event_type
+        "dry run of event {event_id} (endpoint {endpoint}, {event_type}): nothing changed (rolled back); audit record {audit_id}\n"
     );
     if changes.is_empty() {
         text.push_str("a replay would change no row (besides renewing the event's processed mark)\n");
@@ -287,6 +151,169 @@ async fn report_dry_run(
         }
     }
     emit(&text)
+}
+
+/// `replay --event-id`: runs this binary's handler on one processed event, in one transaction with
+/// the row locked, its processed mark renewed (and a dismissal cleared) and the audit record; a
+/// handler error rolls everything back. Refused, changing nothing: an unprocessed event, a type
+/// `registry` has no handler for, a row without a payload. `dry_run`: the handler runs in a
+/// transaction that is rolled back, what it changed per table is read before the rollback, and the
+/// look is audited (`replay-dry-run`, `affected` 0) in a transaction of its own.
+pub async fn replay_one(
+    client: &mut deadpool_postgres::Object,
+    registry: &Registry,
+    pooler: Pooler,
+    event_id: &str,
+    endpoint: Option<&str>,
+    actor: Actor<'_>,
+    dry_run: bool,
+) -> anyhow::Result<OneReport> {
+    let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
+    set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
+    let row = lock_one_event(&*tx, event_id, endpoint).await?;
+    if row.processed_at.is_none() {
+        refuse!(
+            "event {event_id} (endpoint {}) is not processed yet; requeue it instead \
+             (`requeue --event-id {event_id}`) or let the workers take it",
+            row.endpoint
+        );
+    }
+    let Some(handler) = registry.get(&row.event_type) else {
+        refuse!(
+            "event {event_id} (endpoint {}) is a {} event, which this binary has no handler for \
+             (it handles: {}): nothing to replay, nothing changed",
+            row.endpoint,
+            row.event_type,
+            registry.event_types().join(", ")
+        );
+    };
+    let Some(payload) = row.payload else {
+        refuse!(
+            "event {event_id} (endpoint {}) has no payload to replay: its body was kept as raw bytes \
+             (unstorable as jsonb); nothing changed",
+            row.endpoint
+        );
+    };
+    let event = InboxEvent::new(
+        PROVIDER_STRIPE.to_owned(),
+        row.endpoint.clone(),
+        event_id.to_owned(),
+        row.event_type.clone(),
+        payload,
+    );
+    let applied = handler.handle(&tx, &event).await;
+    if dry_run {
+        let changes = match applied {
+            Ok(()) => admin::transaction_changes(&*tx, &["webhook_inbox"])
+                .await
+                .map_err(db_error("reading what the handler changed"))?,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                refuse!(
+                    "dry run of event {event_id} (endpoint {}, {}): the handler fails, so a replay \
+                     would change nothing: {e}",
+                    event.endpoint,
+                    event.event_type
+                );
+            }
+        };
+        if pooler == Pooler::Transaction {
+            tx.statement_cache.clear();
+        }
+        tx.rollback().await.map_err(db_error("rolling the dry run back"))?;
+        let audit_id = audit_dry_run(client, actor, &event, &changes).await?;
+        return Ok(OneReport::of("replay-dry-run", &event, Some(changes), audit_id));
+    }
+    if pooler == Pooler::Transaction {
+        // Close the statements the handler prepared before the transaction ends, on the server
+        // connection that has them (as the worker's executor does).
+        tx.statement_cache.clear();
+    }
+    if let Err(e) = applied {
+        let _ = tx.rollback().await;
+        refuse!(
+            "replay of event {event_id} (endpoint {}, {}) failed, nothing changed: {e}",
+            event.endpoint,
+            event.event_type
+        );
+    }
+    queue::mark_processed(&tx, &[row.ctid.as_str()])
+        .await
+        .map_err(db_error("marking the event processed"))?;
+    // A row a person dismissed is applied after all: it is no longer "closed unapplied".
+    admin::undismiss(&*tx, &event.endpoint, event_id).await.map_err(db_error("clearing the dismissal"))?;
+    let target = event_target(&event);
+    let audit_id =
+        actor.audit(&*tx, "replay", &target, 1).await.map_err(db_error("writing the audit record"))?;
+    tx.commit().await.map_err(db_error("committing the replay"))?;
+    Ok(OneReport::of("replay", &event, None, audit_id))
+}
+
+/// The audit target of a replay of one event.
+fn event_target(event: &InboxEvent) -> serde_json::Value {
+    serde_json::json!({
+        "provider": PROVIDER_STRIPE,
+        "endpoint": event.endpoint,
+        "event_id": event.event_id,
+        "event_type": event.event_type,
+    })
+}
+
+/// What [`replay_one`] did; what `replay --event-id --json` prints (with `--dry-run`: nothing
+/// changed, and what would).
+#[derive(Debug, Clone, Serialize)]
+pub struct OneReport {
+    /// `replay`, or `replay-dry-run`.
+    pub action: &'static str,
+    pub endpoint: String,
+    pub event_id: String,
+    pub event_type: String,
+    /// `Some(false)` for a dry run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changed: Option<bool>,
+    /// A dry run: what the replay would insert, update and delete, per table.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub would_change: Option<Vec<admin::TableChange>>,
+    pub audit_id: i64,
+}
+
+impl OneReport {
+    fn of(
+        action: &'static str,
+        event: &InboxEvent,
+        would_change: Option<Vec<admin::TableChange>>,
+        audit_id: i64,
+    ) -> Self {
+        OneReport {
+            action,
+            endpoint: event.endpoint.clone(),
+            event_id: event.event_id.clone(),
+            event_type: event.event_type.clone(),
+            changed: would_change.as_ref().map(|_| false),
+            would_change,
+            audit_id,
+        }
+    }
+}
+
+/// Audits a `replay --event-id --dry-run`: what it would change, `affected` 0.
+async fn audit_dry_run(
+    client: &deadpool_postgres::Object,
+    actor: Actor<'_>,
+    event: &InboxEvent,
+    changes: &[admin::TableChange],
+) -> anyhow::Result<i64> {
+    let counts: serde_json::Map<String, serde_json::Value> = changes
+        .iter()
+        .map(|c| {
+            let counts =
+                serde_json::json!({"inserted": c.inserted, "updated": c.updated, "deleted": c.deleted});
+            (c.table.clone(), counts)
+        })
+        .collect();
+    let mut target = event_target(event);
+    target["would_change"] = counts.into();
+    actor.audit(&***client, "replay-dry-run", &target, 0).await.map_err(db_error("writing the audit record"))
 }
 
 /// What `replay --event-type --json` prints.

@@ -23,14 +23,14 @@
 //! which has no payload a handler could read.
 
 use clap::Args as ClapArgs;
-use inbox_domain::inbox::store::admin::{self, RequeueRow};
+use inbox_domain::inbox::store::admin::{self, ParkedCount, ParkedFilter, RequeueRow};
 use inbox_domain::inbox::store::set_limits;
 use inbox_domain::PROVIDER_STRIPE;
 use serde::Serialize;
 
 use super::output::{emit, emit_json, plural, AfterReport, OutputArgs, Table};
 use super::purge::StopSignal;
-use super::{db_error, lock_one_event, ActorArgs, LIMITS};
+use super::{db_error, lock_one_event, refuse, Actor, ActorArgs, LIMITS};
 
 /// `requeue --all` refuses to requeue more rows than this at once without `--yes`.
 pub const CONFIRM_ABOVE: i64 = 100;
@@ -118,32 +118,68 @@ pub async fn run(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow:
         return super::outbox::requeue(client, &what).await;
     }
     match (&args.event_id, args.all) {
-        (Some(event_id), false) => requeue_one(client, args, event_id).await,
+        (Some(event_id), false) => present_one(client, args, event_id).await,
         (None, true) => requeue_all(client, args).await,
         _ => anyhow::bail!("pass either --event-id or --all"),
     }
 }
 
-/// `requeue --event-id`: one transaction.
-async fn requeue_one(
+/// What [`requeue_one`] did (or, in a dry run, would do).
+#[derive(Debug, Clone)]
+pub struct Requeued {
+    /// The row, `attempts` as it was before.
+    pub row: RequeueRow,
+    /// Why the ingest had held it, when it had: the person released it.
+    pub released_hold: Option<String>,
+    /// Rows changed: 1, or 0 in a dry run.
+    pub requeued: u64,
+    /// The audit record; None in a dry run.
+    pub audit_id: Option<i64>,
+}
+
+/// Which rows [`requeue_one`] takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    /// Any unprocessed row with a payload: parked, held for its livemode, or waiting for a retry
+    /// (`requeue --event-id`, the console's Requeue).
+    Unprocessed,
+    /// Only a row the ingest held for its livemode (the console's Release).
+    HeldForLivemode,
+}
+
+/// `requeue --event-id`: the row of `event_id` (and `endpoint`) back in the queue — attempts 0,
+/// available now, not parked nor held — with its audit record, in one transaction; refused for a
+/// processed row, a row without a payload, and (with [`Take::HeldForLivemode`]) a row not held for
+/// its livemode. `dry_run`: the same checks, nothing changed, no audit.
+pub async fn requeue_one(
     client: &mut deadpool_postgres::Object,
-    args: &Args,
     event_id: &str,
-) -> anyhow::Result<()> {
+    endpoint: Option<&str>,
+    take: Take,
+    actor: Actor<'_>,
+    dry_run: bool,
+) -> anyhow::Result<Requeued> {
     let tx = client.transaction().await.map_err(db_error("starting a transaction"))?;
     set_limits(&tx, &LIMITS).await.map_err(db_error("setting the transaction's timeouts"))?;
-    let row = lock_one_event(&*tx, event_id, args.endpoint.as_deref()).await?;
+    let row = lock_one_event(&*tx, event_id, endpoint).await?;
     if let Some(at) = &row.processed_at {
-        anyhow::bail!(
+        refuse!(
             "event {event_id} (endpoint {}) was processed at {at}; use `replay` to run it again",
             row.endpoint
         );
     }
     if row.payload.is_none() {
-        anyhow::bail!(
+        refuse!(
             "event {event_id} (endpoint {}) cannot be requeued: PostgreSQL refused its body as jsonb, \
              so it is kept byte for byte in raw_body and no handler could read it (see its \
              last_error in `needs-review`); nothing changed",
+            row.endpoint
+        );
+    }
+    if take == Take::HeldForLivemode && row.held.as_deref() != Some("livemode") {
+        refuse!(
+            "event {event_id} (endpoint {}) is not held for its livemode: nothing to release \
+             (requeue takes a parked row); nothing changed",
             row.endpoint
         );
     }
@@ -156,39 +192,60 @@ async fn requeue_one(
         // The person released a row the ingest held: the record says so.
         target["released_hold"] = serde_json::json!(held);
     }
-    let rows = vec![RequeueRow {
+    let released_hold = row.held;
+    let rows = [RequeueRow {
         endpoint: row.endpoint,
         event_id: event_id.to_owned(),
         event_type: row.event_type,
         attempts: row.attempts,
     }];
+    let (requeued, audit_id) = if dry_run {
+        tx.rollback().await.map_err(db_error("ending the dry run"))?;
+        (0, None)
+    } else {
+        let requeued = admin::requeue(&*tx, &rows).await.map_err(db_error("requeuing the rows"))?;
+        let id = actor
+            .audit(&*tx, "requeue", &target, requeued)
+            .await
+            .map_err(db_error("writing the audit record"))?;
+        tx.commit().await.map_err(db_error("committing the requeue"))?;
+        (requeued, Some(id))
+    };
+    let [row] = rows;
+    Ok(Requeued { row, released_hold, requeued, audit_id })
+}
 
-    let mut report = Report {
+/// `requeue --event-id`: [`requeue_one`], presented.
+async fn present_one(
+    client: &mut deadpool_postgres::Object,
+    args: &Args,
+    event_id: &str,
+) -> anyhow::Result<()> {
+    let done = requeue_one(
+        client,
+        event_id,
+        args.endpoint.as_deref(),
+        Take::Unprocessed,
+        args.actor.actor(),
+        args.dry_run,
+    )
+    .await?;
+    let rows = [done.row];
+    let report = Report {
         action: "requeue",
         dry_run: args.dry_run,
         matched: 1,
-        requeued: 0,
+        requeued: done.requeued,
         batches: None,
         audit_id: None,
         interrupted_by: None,
         rows: &rows,
     };
-    let audit_id = if args.dry_run {
-        tx.rollback().await.map_err(db_error("ending the dry run"))?;
-        None
-    } else {
-        report.requeued = admin::requeue(&*tx, &rows).await.map_err(db_error("requeuing the rows"))?;
-        let id = admin::insert_audit(&*tx, args.actor.name(), "requeue", &target, report.requeued)
-            .await
-            .map_err(db_error("writing the audit record"))?;
-        tx.commit().await.map_err(db_error("committing the requeue"))?;
-        Some(id)
-    };
     if args.output.json {
         return emit_json(&report);
     }
     let mut text = table(&rows);
-    match audit_id {
+    match done.audit_id {
         None => text.push_str("dry run: would requeue 1 row; nothing changed\n"),
         Some(id) => text.push_str(&format!(
             "requeued {} row{} (attempts 0, available now); audit record {id}\n",
@@ -199,14 +256,111 @@ async fn requeue_one(
     emit(&text)
 }
 
-/// `requeue --all`: the count, the confirmation, then the batches.
+/// The rows a filtered requeue takes: how many the count found, and how many it takes.
+#[derive(Debug, Clone, Copy)]
+pub struct Matching {
+    /// The count ([`count_matching`]): the batches take only rows parked by its `as_of`.
+    pub count: ParkedCount,
+    /// At most this many rows, the oldest first.
+    pub takes: i64,
+    /// Rows per transaction.
+    pub batch_size: i64,
+}
+
+/// What [`requeue_matching`] did.
+#[derive(Debug, Clone)]
+pub struct RequeuedMatching {
+    /// The rows requeued, oldest first (`attempts` as they were before).
+    pub rows: Vec<RequeueRow>,
+    pub requeued: u64,
+    /// The transactions that requeued rows.
+    pub batches: u64,
+    /// The run's first audit record.
+    pub audit_id: i64,
+    /// The signal that stopped the run before it finished.
+    pub interrupted_by: Option<&'static str>,
+}
+
+/// The parked rows `filter` matches (those a requeue takes, and those held on arrival it leaves),
+/// as `requeue --all` counts them before it asks for a confirmation.
+pub async fn count_matching(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    filter: &ParkedFilter<'_>,
+) -> anyhow::Result<ParkedCount> {
+    admin::count_parked(client, filter).await.map_err(db_error("counting the parked rows"))
+}
+
+/// `requeue --all` after its count and confirmation: the run's first audit record (`target`: what
+/// it is about to do), then batches of `batch_size` rows, each its own transaction under the
+/// operator limits — lock (`SKIP LOCKED`), requeue, audit, commit — until `takes` rows (parked by
+/// the count's `as_of`, matching `filter`) are requeued, none is left, or `stop` says a signal came.
+pub async fn requeue_matching(
+    client: &mut deadpool_postgres::Object,
+    filter: &ParkedFilter<'_>,
+    matching: &Matching,
+    target: &serde_json::Value,
+    actor: Actor<'_>,
+    stop: Option<&StopSignal>,
+) -> anyhow::Result<RequeuedMatching> {
+    let run_id =
+        actor.audit(&***client, "requeue", target, 0).await.map_err(db_error("writing the audit record"))?;
+    let takes = matching.takes;
+    let mut rows: Vec<RequeueRow> = Vec::new();
+    let mut requeued = 0u64;
+    let mut batches = 0u64;
+    let mut after = None;
+    let mut interrupted_by = None;
+    while (rows.len() as i64) < takes {
+        if let Some(signal) = stop.and_then(StopSignal::received) {
+            interrupted_by = Some(signal);
+            break;
+        }
+        let want = (takes - rows.len() as i64).min(matching.batch_size);
+        let batch = async {
+            let tx = client.transaction().await?;
+            set_limits(&tx, &LIMITS).await?;
+            let (batch, next) =
+                admin::lock_parked(&*tx, filter, matching.count.as_of, after.as_ref(), want, true).await?;
+            if batch.is_empty() {
+                return Ok((batch, next, 0));
+            }
+            let changed = admin::requeue(&*tx, &batch).await?;
+            let target =
+                serde_json::json!({"provider": PROVIDER_STRIPE, "run": run_id, "batch": batches + 1});
+            actor.audit(&*tx, "requeue", &target, changed).await?;
+            tx.commit().await?;
+            Ok::<_, tokio_postgres::Error>((batch, next, changed))
+        }
+        .await;
+        match batch {
+            Ok((batch, _, _)) if batch.is_empty() => break,
+            Ok((batch, next, changed)) => {
+                batches += 1;
+                requeued += changed;
+                rows.extend(batch);
+                after = next;
+            }
+            Err(e) => anyhow::bail!(
+                "requeue stopped after requeuing {requeued} row{} in {batches} batch{} (audit record \
+                 {run_id}): {}",
+                plural(requeued as usize),
+                if batches == 1 { "" } else { "es" },
+                inbox_domain::db::describe_db_error(&e)
+            ),
+        }
+    }
+    Ok(RequeuedMatching { rows, requeued, batches, audit_id: run_id, interrupted_by })
+}
+
+/// `requeue --all`: the count, the confirmation, then the batches ([`requeue_matching`]).
 async fn requeue_all(client: &mut deadpool_postgres::Object, args: &Args) -> anyhow::Result<()> {
-    let event_type = args.event_type.as_deref();
     let pattern = args.error_contains.as_deref().map(like_literal);
-    let pattern = pattern.as_deref();
-    let count = admin::count_parked(&***client, event_type, pattern)
-        .await
-        .map_err(db_error("counting the parked rows"))?;
+    let filter = ParkedFilter {
+        event_type: args.event_type.as_deref(),
+        error_pattern: pattern.as_deref(),
+        ..ParkedFilter::default()
+    };
+    let count = count_matching(&***client, &filter).await?;
     let n = count.takes;
     let takes = n.min(args.limit.unwrap_or(i64::MAX));
     let mut line = format!("{n} parked row{} match{}", plural(n as usize), if n == 1 { "es" } else { "" });
@@ -230,7 +384,7 @@ async fn requeue_all(client: &mut deadpool_postgres::Object, args: &Args) -> any
 
     if args.dry_run {
         let rows = if takes > 0 {
-            admin::lock_parked(&***client, event_type, pattern, count.as_of, None, takes, false)
+            admin::lock_parked(&***client, &filter, count.as_of, None, takes, false)
                 .await
                 .map_err(db_error("listing the parked rows"))?
                 .0
@@ -277,55 +431,9 @@ async fn requeue_all(client: &mut deadpool_postgres::Object, args: &Args) -> any
         "limit": args.limit,
         "batch_size": args.batch_size,
     });
-    let run_id = admin::insert_audit(&***client, args.actor.name(), "requeue", &target, 0)
-        .await
-        .map_err(db_error("writing the audit record"))?;
-
-    let mut rows: Vec<RequeueRow> = Vec::new();
-    let mut requeued = 0u64;
-    let mut batches = 0u64;
-    let mut after = None;
-    let mut interrupted_by = None;
-    while (rows.len() as i64) < takes {
-        if let Some(signal) = stop.received() {
-            interrupted_by = Some(signal);
-            break;
-        }
-        let want = (takes - rows.len() as i64).min(args.batch_size);
-        let batch = async {
-            let tx = client.transaction().await?;
-            set_limits(&tx, &LIMITS).await?;
-            let (batch, next) =
-                admin::lock_parked(&*tx, event_type, pattern, count.as_of, after.as_ref(), want, true)
-                    .await?;
-            if batch.is_empty() {
-                return Ok((batch, next, 0));
-            }
-            let changed = admin::requeue(&*tx, &batch).await?;
-            let target =
-                serde_json::json!({"provider": PROVIDER_STRIPE, "run": run_id, "batch": batches + 1});
-            admin::insert_audit(&*tx, args.actor.name(), "requeue", &target, changed).await?;
-            tx.commit().await?;
-            Ok::<_, tokio_postgres::Error>((batch, next, changed))
-        }
-        .await;
-        match batch {
-            Ok((batch, _, _)) if batch.is_empty() => break,
-            Ok((batch, next, changed)) => {
-                batches += 1;
-                requeued += changed;
-                rows.extend(batch);
-                after = next;
-            }
-            Err(e) => anyhow::bail!(
-                "requeue stopped after requeuing {requeued} row{} in {batches} batch{} (audit record \
-                 {run_id}): {}",
-                plural(requeued as usize),
-                if batches == 1 { "" } else { "es" },
-                inbox_domain::db::describe_db_error(&e)
-            ),
-        }
-    }
+    let matching = Matching { count, takes, batch_size: args.batch_size };
+    let done = requeue_matching(client, &filter, &matching, &target, args.actor.actor(), Some(&stop)).await?;
+    let RequeuedMatching { rows, requeued, batches, audit_id: run_id, interrupted_by } = done;
 
     let report = Report {
         action: "requeue",
@@ -387,7 +495,7 @@ fn table(rows: &[RequeueRow]) -> String {
 }
 
 /// `text` as a LIKE/ILIKE pattern matching it literally (`\` is the default escape character).
-fn like_literal(text: &str) -> String {
+pub fn like_literal(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
     for c in text.chars() {
         if matches!(c, '\\' | '%' | '_') {

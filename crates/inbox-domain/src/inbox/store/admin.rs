@@ -612,18 +612,65 @@ pub async fn payload_matches(
 
 /// The rows `requeue --all` is about, after `WHERE`: parked rows of `$1` (provider), of event type
 /// `$2` (or any, when NULL), whose `last_error` contains `$3` (a pattern LIKE-escaped by the
-/// caller; any, when NULL). Shared by [`COUNT_PARKED_SQL`] and [`LOCK_PARKED_SQL`], so that the
-/// batches take what the count counted.
+/// caller; any, when NULL); and, for the filters of the console's needs-review list (each any when
+/// NULL, with the meaning `store::console`'s `review_filters!` gives them), of endpoint `$4`, held
+/// on arrival as `$5` (`unstorable`, `livemode`, `any`; `none`: not held), received more than `$6`
+/// seconds before `$now` (the count's time: `now()` in the count, its `as_of` in the batches, so
+/// that both see one cutoff), of connected account `$7` (the event's `account`, or a thin event's
+/// `context`, as [`PARKED_ROWS_SQL`] reads it). Shared by [`COUNT_PARKED_SQL`] and
+/// [`LOCK_PARKED_SQL`], so that the batches take what the count counted. The statements are sent
+/// unnamed (planned for their arguments): a NULL filter folds away, and the scan stays on
+/// `webhook_inbox_parked`.
 macro_rules! parked_filters {
-    () => {
+    ($now:literal) => {
         concat!(
             "provider = $1 AND ",
             parked!(),
             "
    AND ($2::text IS NULL OR event_type = $2)
-   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')"
+   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')
+   AND ($4::text IS NULL OR endpoint = $4)
+   AND ($5::text IS NULL OR CASE $5 WHEN 'any' THEN held IS NOT NULL
+                                    WHEN 'none' THEN held IS NULL
+                                    ELSE held = $5 END)
+   AND ($6::float8 IS NULL OR received_at < ",
+            $now,
+            " - make_interval(secs => $6))
+   AND ($7::text IS NULL OR $7 = CASE WHEN jsonb_typeof(payload->'account') = 'string' THEN payload->>'account'
+                                      WHEN jsonb_typeof(payload->'context') = 'string' THEN payload->>'context' END)"
         )
     };
+}
+
+/// The filters of `parked_filters!`: `requeue --all` sets the first two, the console any of them.
+/// None is "any".
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ParkedFilter<'a> {
+    pub event_type: Option<&'a str>,
+    /// A pattern `last_error` contains, LIKE-escaped by the caller (matched case-insensitively).
+    pub error_pattern: Option<&'a str>,
+    pub endpoint: Option<&'a str>,
+    /// Held on arrival as `unstorable` or `livemode`, or held at all (`any`), or not held (`none`).
+    pub held: Option<&'a str>,
+    /// Received more than this many seconds before the count.
+    pub older_than_seconds: Option<f64>,
+    /// The connected account (or a thin event's context).
+    pub account: Option<&'a str>,
+}
+
+impl ParkedFilter<'_> {
+    /// The parameters `$1` to `$7` of `parked_filters!`.
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 7] {
+        [
+            (&PROVIDER_STRIPE, Type::TEXT),
+            (&self.event_type, Type::TEXT),
+            (&self.error_pattern, Type::TEXT),
+            (&self.endpoint, Type::TEXT),
+            (&self.held, Type::TEXT),
+            (&self.older_than_seconds, Type::FLOAT8),
+            (&self.account, Type::TEXT),
+        ]
+    }
 }
 
 /// What `requeue --all` is about to do, before it locks or changes anything: `takes`, the parked
@@ -640,7 +687,7 @@ SELECT count(*) FILTER (WHERE held IS NULL) AS takes,
        now() AS as_of
   FROM webhook_inbox
  WHERE ",
-    parked_filters!()
+    parked_filters!("now()")
 );
 
 /// What [`COUNT_PARKED_SQL`] found.
@@ -657,38 +704,35 @@ pub struct ParkedCount {
 /// Runs [`COUNT_PARKED_SQL`].
 pub async fn count_parked(
     client: &(impl GenericClient + Sync),
-    event_type: Option<&str>,
-    error_pattern: Option<&str>,
+    filter: &ParkedFilter<'_>,
 ) -> Result<ParkedCount, tokio_postgres::Error> {
-    let params: [(&(dyn ToSql + Sync), Type); 3] =
-        [(&PROVIDER_STRIPE, Type::TEXT), (&event_type, Type::TEXT), (&error_pattern, Type::TEXT)];
-    let row = client.query_typed_one(COUNT_PARKED_SQL, &params).await?;
+    let row = client.query_typed_one(COUNT_PARKED_SQL, &filter.params()).await?;
     Ok(ParkedCount { takes: row.get("takes"), held: row.get("held"), as_of: row.get("as_of") })
 }
 
 /// One batch of `requeue --all` (`--dry-run` lists the same rows without `FOR UPDATE`, see
-/// [`lock_parked`]): up to `$8` parked rows with the filters of `parked_filters!`, not held on
-/// arrival, parked by `$4` (the count's `as_of`), oldest first — `(received_at, endpoint,
-/// event_id)` after `($5, $6, $7)`, the key of the previous batch's last row (NULLs: from the
-/// start). `FOR UPDATE SKIP LOCKED`: a row another session holds (a requeue or a replay of that
-/// event) is left as it is, never waited for, and two concurrent requeues never wait on each other.
-/// The key continues the index scan of `webhook_inbox_parked` where the previous batch ended, so
-/// a batch does not step again over the index entries of the rows requeued before it (they stay
-/// in the index, pointing to dead row versions, until vacuum); `received_at >= $5` is that key's
-/// index condition, the row comparison breaks its ties.
+/// [`lock_parked`]): up to `$12` parked rows with the filters of `parked_filters!` (`$1` to `$7`),
+/// not held on arrival, parked by `$8` (the count's `as_of`), oldest first — `(received_at,
+/// endpoint, event_id)` after `($9, $10, $11)`, the key of the previous batch's last row (NULLs:
+/// from the start). `FOR UPDATE SKIP LOCKED`: a row another session holds (a requeue or a replay
+/// of that event) is left as it is, never waited for, and two concurrent requeues never wait on
+/// each other. The key continues the index scan of `webhook_inbox_parked` where the previous batch
+/// ended, so a batch does not step again over the index entries of the rows requeued before it
+/// (they stay in the index, pointing to dead row versions, until vacuum); `received_at >= $9` is
+/// that key's index condition, the row comparison breaks its ties.
 pub const LOCK_PARKED_SQL: &str = concat!(
     "\
 SELECT endpoint, event_id, event_type, attempts, received_at
   FROM webhook_inbox
  WHERE ",
-    parked_filters!(),
+    parked_filters!("$8"),
     "
    AND held IS NULL
-   AND parked_at <= $4
-   AND received_at >= COALESCE($5, '-infinity')
-   AND (received_at, endpoint, event_id) > (COALESCE($5, '-infinity'), COALESCE($6, ''), COALESCE($7, ''))
+   AND parked_at <= $8
+   AND received_at >= COALESCE($9, '-infinity')
+   AND (received_at, endpoint, event_id) > (COALESCE($9, '-infinity'), COALESCE($10, ''), COALESCE($11, ''))
  ORDER BY received_at, endpoint, event_id
- LIMIT $8
+ LIMIT $12
    FOR UPDATE SKIP LOCKED"
 );
 
@@ -722,8 +766,7 @@ pub struct ParkedKey {
 /// row).
 pub async fn lock_parked(
     client: &(impl GenericClient + Sync),
-    event_type: Option<&str>,
-    error_pattern: Option<&str>,
+    filter: &ParkedFilter<'_>,
     as_of: SystemTime,
     after: Option<&ParkedKey>,
     limit: i64,
@@ -733,16 +776,14 @@ pub async fn lock_parked(
         Some(k) => (Some(k.received_at), Some(k.endpoint.as_str()), Some(k.event_id.as_str())),
         None => (None, None, None),
     };
-    let params: [(&(dyn ToSql + Sync), Type); 8] = [
-        (&PROVIDER_STRIPE, Type::TEXT),
-        (&event_type, Type::TEXT),
-        (&error_pattern, Type::TEXT),
-        (&as_of, Type::TIMESTAMPTZ),
+    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = filter.params().into();
+    params.extend([
+        (&as_of as &(dyn ToSql + Sync), Type::TIMESTAMPTZ),
         (&received_at, Type::TIMESTAMPTZ),
         (&endpoint, Type::TEXT),
         (&event_id, Type::TEXT),
         (&limit, Type::INT8),
-    ];
+    ]);
     let sql = if lock { LOCK_PARKED_SQL } else { list_parked_sql() };
     let rows = client.query_typed(sql, &params).await?;
     let next = rows.last().map(|r| ParkedKey {

@@ -15,7 +15,9 @@
 //!   `reconcile` that find them (resumable);
 //! * [`gauges`]: who counts the queue gauges (one worker per interval) and how the others read them;
 //! * [`reconciliation`]: the reconciliation items as a person's work — listing them, closing one
-//!   (audited), and the count of open ones each worker exports.
+//!   (audited), and the count of open ones each worker exports;
+//! * [`console`]: what the operator console reads besides the above — the queue's split, the
+//!   throughput and latency charts, the parked rows filtered and paged, one event, the audit log.
 //!
 //! # The states of a row
 //! Every unprocessed row is in exactly one of these:
@@ -116,6 +118,7 @@ macro_rules! fenced {
 }
 
 pub mod admin;
+pub mod console;
 pub mod fetch;
 pub mod gauges;
 pub mod ingest;
