@@ -52,8 +52,13 @@ bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); t
 	$(CARGO) build --release --bins $(PRODUCT) -p inbox-bench
 	$(WITH_DB) target/release/bench $(BENCH_ARGS)
 
+.PHONY: console-screenshots
+console-screenshots: build ## PNGs of every console page from a real run (headless Chromium; seeded data) into docs/console/
+	$(WITH_DB) env CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(CARGO) test -p inbox-tests --test e2e \
+	    console_browser::every_page_renders -- --nocapture
+
 .PHONY: deps
-deps: ## Install what lint and the tests need beyond the toolchain and PostgreSQL (cargo-deny, pgbouncer, nats-server, Standard Webhooks reference library), if missing
+deps: ## Install what lint and the tests need beyond the toolchain and PostgreSQL (cargo-deny, pgbouncer, nats-server, Chromium + chromedriver, Standard Webhooks reference library), if missing
 	scripts/ci-deps.sh
 
 lint: ## rustfmt check, clippy with warnings as errors, cargo deny (licenses, duplicate versions, banned crates, sources)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # ci-deps.sh: install what the tests and `make lint` need beyond the toolchain and PostgreSQL:
 # cargo-deny from crates.io (`make lint`'s dependency checks; built once, ~5 min on 2 cores); from
-# Debian's packages pgbouncer (the transaction-pooling test) and nats-server (the relay's JetStream
-# tests); and from PyPI the Standard Webhooks reference library, into target/python-deps (the relay
-# tests verify its signatures with it, not with our own code). Tests whose tool is absent are
-# skipped, saying so. Installs only what is missing; needs root (or passwordless sudo) for apt.
+# Debian's packages pgbouncer (the transaction-pooling test), nats-server (the relay's JetStream
+# tests), and chromium with chromium-driver (the console's browser tests, headless); and from PyPI
+# the Standard Webhooks reference library, into target/python-deps (the relay tests verify its
+# signatures with it, not with our own code). Tests whose tool is absent are skipped, saying so
+# (but the browser tests, which fail instead when CI is set). Installs only what is missing; needs
+# root (or passwordless sudo) for apt.
 set -euo pipefail
 # The version deny.toml is written for.
 CARGO_DENY_VERSION=0.20.2
@@ -24,6 +26,8 @@ fi
 missing=()
 command -v pgbouncer >/dev/null 2>&1 || [[ -x /usr/sbin/pgbouncer ]] || missing+=(pgbouncer)
 command -v nats-server >/dev/null 2>&1 || [[ -x /usr/sbin/nats-server ]] || missing+=(nats-server)
+command -v chromium >/dev/null 2>&1 || [[ -x /usr/bin/chromium ]] || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || [[ -x /usr/bin/chromedriver ]] || missing+=(chromium-driver)
 if ((${#missing[@]} == 0)); then
     exit 0
 fi

@@ -6,6 +6,7 @@ mod broken_orderings;
 mod connection;
 mod console;
 mod console_actions;
+mod console_browser;
 mod docs;
 mod endpoint_watchdog;
 mod failover;

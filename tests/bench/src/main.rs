@@ -20,7 +20,11 @@
 //!          tuning flags: events/s, MiB/s, and the worker's peak RSS (VmHWM at the end, or the
 //!          highest of the samples taken during the drain) against the worker pod's 256 MiB
 //!          memory limit;
-//!   scale  the drain again with `--scale-rows` processed rows in the table; claim EXPLAINs.
+//!   scale  the drain again with `--scale-rows` processed rows in the table; claim EXPLAINs;
+//!   console  the operator console with `--console-parked` parked rows (and `--console-history`
+//!          processed in the last 6 hours): median and p95 of `--console-requests` GETs each of the
+//!          needs-review list, a filtered page of it and the overview, signed in (target: p95 under
+//!          300 ms).
 //!
 //! Each phase runs in a fresh database `inbox_bench_<pid>_<phase>` on the server of
 //! `DATABASE_URL` (scripts/with-db.sh: the local cluster), migrated by `inbox-worker migrate`
@@ -31,6 +35,7 @@
 
 #![recursion_limit = "256"]
 
+mod console;
 mod drain;
 mod e2e;
 mod http;
@@ -63,6 +68,7 @@ pub enum Phase {
     E,
     Mem,
     Scale,
+    Console,
 }
 
 /// Benchmark of stripe-inbox against the commit rate of its PostgreSQL (see `make bench`).
@@ -73,7 +79,7 @@ pub struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
     /// Phases to run, comma-separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "a,b,c,relay,d,e,mem,scale")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "a,b,c,relay,d,e,mem,scale,console")]
     phases: Vec<Phase>,
     /// Measured time of each pgbench run, ingest run and the end-to-end run.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -119,6 +125,15 @@ pub struct Args {
     /// Queued rows drained in the scale phase (by 1 worker process).
     #[arg(long, default_value_t = 100_000)]
     scale_queued: u64,
+    /// Parked rows in the console phase's needs-review list.
+    #[arg(long, default_value_t = 10_000)]
+    console_parked: u64,
+    /// Rows processed over the last 6 hours in the console phase (the overview's charts read them).
+    #[arg(long, default_value_t = 50_000)]
+    console_history: u64,
+    /// Timed GETs of each page in the console phase.
+    #[arg(long, default_value_t = 50)]
+    console_requests: usize,
     /// Webhooks/s of (d) [default: half of (b)'s rate at 32 connections].
     #[arg(long)]
     e2e_rate: Option<f64>,
@@ -382,6 +397,15 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
         }
     }
 
+    if want(Phase::Console) {
+        match console::run(ctx).await {
+            Ok(v) => {
+                out.insert("console".into(), v);
+            }
+            Err(e) => note_err("console".into(), e, ctx),
+        }
+    }
+
     let keyed = |m: BTreeMap<usize, serde_json::Value>| {
         serde_json::Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
     };
@@ -453,6 +477,9 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "mem_event_bytes": mem::EVENT_BYTES,
         "scale_rows": a.scale_rows,
         "scale_queued": a.scale_queued,
+        "console_parked": a.console_parked,
+        "console_history": a.console_history,
+        "console_requests": a.console_requests,
         "e2e_rate": a.e2e_rate,
         "e2e_connections": a.e2e_connections,
         "e2e_poll_interval": a.e2e_poll_interval,

@@ -367,6 +367,32 @@ impl Table {
             drain_rows(&mut t, s);
         }
 
+        let c = get("console");
+        if c.is_object() {
+            t.add(
+                format!("console: {} parked rows, {} processed in 6 h", c["parked_rows"], c["history_rows"]),
+                format!("{} GETs a page", c["requests_per_page"]),
+            );
+            for (key, label) in [
+                ("needs_review", "     GET /needs-review (page 1) median / p95"),
+                ("needs_review_filtered", "     GET /needs-review?type=…&error=… median / p95"),
+                ("overview", "     GET / (overview) median / p95"),
+            ] {
+                let page = &c[key];
+                let row = t.add(
+                    label,
+                    format!(
+                        "{} / {} ms (first {})",
+                        f(&page["median_ms"], 1),
+                        f(&page["p95_ms"], 1),
+                        f(&page["first_ms"], 1)
+                    ),
+                );
+                row.target = format!("p95 < {} ms", f(&c["target_p95_ms"], 0));
+                row.ok = page["ok"].as_bool();
+            }
+        }
+
         for (phase, err) in get("errors").as_object().into_iter().flatten() {
             let msg: String =
                 err.as_str().unwrap_or("").lines().next().unwrap_or("").chars().take(60).collect();

@@ -5,12 +5,15 @@
 //! PostgreSQL cluster that takes TLS connections only ([`tls`]) and a PgBouncer in transaction
 //! mode ([`pgbouncer`]), an HTTP receiver for the relay ([`receiver`]) and nats-server with
 //! JetStream, single or clustered ([`nats`]); the operator console as a process with its users and
-//! rows worth showing ([`console`]).
+//! rows worth showing ([`console`]) and, with the `browser` feature, headless Chromium to drive it
+//! (`browser`).
 //!
 //! Every test needs `DATABASE_URL` pointing at a PostgreSQL where it may create databases
 //! (`make test` starts a local one and sets it).
 
 pub mod app;
+#[cfg(feature = "browser")]
+pub mod browser;
 pub mod console;
 pub mod db;
 pub mod events;
