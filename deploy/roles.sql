@@ -17,10 +17,12 @@
 --   inbox_metrics   read-only counts for KEDA and dashboards: no payloads, no errors
 --   inbox_reconciler  inbox-worker reconcile: inserts the events Stripe's API lists and the inbox lacks
 --   inbox_fetcher   inbox-worker fetch (a team's binary): what inbox_worker has, and the object snapshots
+--   inbox_console   inbox-worker console (the operators' web page): what inbox_operator has, and reading the audit log
 --
 -- A team's own worker writes its own tables: grant them to inbox_worker and inbox_operator (replay
 -- runs the same handlers) in a file of your own, applied the same way. inbox_fetcher is a member
--- of inbox_worker, so what is granted to inbox_worker reaches `fetch` too.
+-- of inbox_worker, so what is granted to inbox_worker reaches `fetch` too; inbox_console is a
+-- member of inbox_operator, so what is granted to inbox_operator reaches the console's replay too.
 
 -- Names in this file resolve in pg_catalog only, before anything is called: on a database where
 -- others may create objects in public (every database created before PostgreSQL 15), a function
@@ -38,7 +40,7 @@ DO $roles$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics', 'inbox_reconciler', 'inbox_fetcher'] LOOP
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics', 'inbox_reconciler', 'inbox_fetcher', 'inbox_console'] LOOP
         BEGIN
             EXECUTE format('CREATE ROLE %I LOGIN', name);
         EXCEPTION WHEN duplicate_object THEN
@@ -52,7 +54,7 @@ $roles$;
 -- database owner's call, as other roles may use this database).
 DO $connect$
 BEGIN
-    EXECUTE format('GRANT CONNECT ON DATABASE %I TO inbox_owner, inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics, inbox_reconciler, inbox_fetcher',
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO inbox_owner, inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics, inbox_reconciler, inbox_fetcher, inbox_console',
                    current_database());
 END
 $connect$;
@@ -60,7 +62,7 @@ $connect$;
 -- The owner: the tables, and the right to create more in the schema (later migrations).
 GRANT USAGE, CREATE ON SCHEMA public TO inbox_owner;
 GRANT USAGE ON SCHEMA public TO inbox_ingest, inbox_worker, inbox_relay, inbox_operator, inbox_metrics,
-                                inbox_reconciler, inbox_fetcher;
+                                inbox_reconciler, inbox_fetcher, inbox_console;
 ALTER TABLE public.webhook_inbox OWNER TO inbox_owner;
 ALTER TABLE public.invoices OWNER TO inbox_owner;
 ALTER TABLE public.outbox OWNER TO inbox_owner;
@@ -84,7 +86,7 @@ DO $search_path$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics', 'inbox_reconciler', 'inbox_fetcher'] LOOP
+    FOREACH name IN ARRAY ARRAY['inbox_owner', 'inbox_ingest', 'inbox_worker', 'inbox_relay', 'inbox_operator', 'inbox_metrics', 'inbox_reconciler', 'inbox_fetcher', 'inbox_console'] LOOP
         EXECUTE format('ALTER ROLE %I IN DATABASE %I SET search_path = public, pg_temp',
                        name, current_database());
     END LOOP;
@@ -209,5 +211,24 @@ EXCEPTION WHEN unique_violation THEN
 END
 $fetcher$;
 GRANT SELECT, INSERT, UPDATE ON public.stripe_object_snapshots TO inbox_fetcher;
+
+-- inbox_console: `inbox-worker console`, the operators' web page. Its actions are the operator
+-- commands' own code (requeue, release, replay, dismiss, resolve, a filtered requeue) run for the
+-- signed-in operator, so it has exactly what the CLI runs with: it is a member of inbox_operator —
+-- the CLI's replay runs as inbox_operator, and a replay from the console runs the same handlers,
+-- writing the handlers' tables through inbox_operator's grants (a team's own tables too, when it
+-- grants them to inbox_operator as said above). Not of inbox_worker: the console claims nothing.
+-- Beyond the CLI it reads the audit log it shows (an event's history, the log page); the CLI only
+-- inserts records. Its records carry db_user inbox_console, so that a change made in the console
+-- is told apart from one made with the CLI whatever actor it names. Granted again, the membership
+-- is only noticed (as inbox_fetcher's above).
+DO $console$
+BEGIN
+    GRANT inbox_operator TO inbox_console;
+EXCEPTION WHEN unique_violation THEN
+    NULL;  -- granted by a concurrent run of this file
+END
+$console$;
+GRANT SELECT (id, at, actor, action, target, affected) ON public.operator_audit TO inbox_console;
 
 RESET search_path;

@@ -16,12 +16,15 @@
 #                 queries (workers and relays), the relay's signing secret (a mounted Secret
 #                 file, never a literal), the reconcile CronJobs (one endpoint each, no
 #                 concurrency, a window well over the interval) and fetch, the Stripe API key (a
-#                 mounted Secret file, never a literal or a flag) and NetworkPolicy ports
+#                 mounted Secret file, never a literal or a flag), the operator console (a ClusterIP
+#                 Service no Ingress routes to, its users file and session key from a mounted
+#                 Secret, its public URL) and NetworkPolicy ports
 #   systemd       each unit's environment files have an example; the worker's and the relay's
 #                 command, stop timeout above their drain and loopback metrics; the relay's
 #                 signing secret and the Stripe API keys (reconcile, fetch) as credentials
 #                 (LoadCredential), never in an environment file or on the command line; the
-#                 reconcile timer;
+#                 reconcile timer; the console on loopback with its users and session key as
+#                 credentials;
 #                 systemd-analyze verify (when systemd-analyze exists)
 #   database      one role per component (deploy/roles.sql): in compose, k8s and systemd alike,
 #   roles         each component takes its DATABASE_URL from a secret (variable, Secret, file) of
@@ -93,7 +96,7 @@ fi
 ok "kubernetes-validate $("$venv/bin/kubernetes-validate" --version), $("${compose[@]}" version | head -n1), $(promtool --version 2>&1 | head -n1)"
 
 # The role each component logs in as (deploy/roles.sql), for the compose, k8s and systemd checks.
-COMPONENT_ROLES="migrate=inbox_owner ingest=inbox_ingest worker=inbox_worker relay=inbox_relay operator=inbox_operator metrics=inbox_metrics reconcile=inbox_reconciler fetch=inbox_fetcher"
+COMPONENT_ROLES="migrate=inbox_owner ingest=inbox_ingest worker=inbox_worker relay=inbox_relay operator=inbox_operator metrics=inbox_metrics reconcile=inbox_reconciler fetch=inbox_fetcher console=inbox_console"
 SQL_ROLES=$(grep -o 'ARRAY\[[^]]*\]' deploy/roles.sql | head -n1 | grep -o 'inbox_[a-z_]*' | tr '\n' ' ')
 for pair in $COMPONENT_ROLES; do
     [[ " $SQL_ROLES " == *" ${pair#*=} "* ]] || die "deploy/roles.sql creates no role ${pair#*=} (roles: $SQL_ROLES)"
@@ -177,13 +180,14 @@ ok "deploy/Dockerfile ($(grep -c '^FROM' deploy/Dockerfile) stages), .dockerigno
 # ---------------------------------------------------------------------------------------------
 step "compose"
 "${compose[@]}" -f deploy/compose.yaml --env-file deploy/compose.env.example --profile operator \
-    --profile reconcile --profile fetch config --format json > "$work/compose.json" || die "docker compose config"
+    --profile reconcile --profile fetch --profile console config --format json > "$work/compose.json" \
+    || die "docker compose config"
 COMPOSE_JSON=$work/compose.json "$py" - <<'PY' || die "compose"
 import json, os, re, sys, urllib.parse, yaml
 c = json.load(open(os.environ["COMPOSE_JSON"]))
 s = c["services"]
 errors = []
-for name in ["postgres", "migrate", "ingest", "worker", "relay", "operator", "reconcile", "fetch"]:
+for name in ["postgres", "migrate", "ingest", "worker", "relay", "operator", "reconcile", "fetch", "console"]:
     if name not in s:
         errors.append(f"no service {name}")
 if not errors:
@@ -197,7 +201,7 @@ if not errors:
     if "DATABASE_URL" in (raw.get("x-app", {}).get("environment") or {}):
         errors.append("x-app: no shared DATABASE_URL (each service sets its own)")
     variables = {}
-    for name in ["migrate", "ingest", "worker", "relay", "operator", "reconcile", "fetch"]:
+    for name in ["migrate", "ingest", "worker", "relay", "operator", "reconcile", "fetch", "console"]:
         value = (raw["services"][name].get("environment") or {}).get("DATABASE_URL", "")
         m = re.fullmatch(r"\$\{(\w+)(:?[?-][^}]*)?\}", str(value))
         if not m:
@@ -263,10 +267,30 @@ if not errors:
             errors.append(f"{name}: STRIPE_API_KEY must come from a variable of compose.env")
         line = " ".join((s[name].get("entrypoint") or []) + (s[name].get("command") or []))
         if re.search(r"api-key|\b[rs]k_(live|test)_", line): errors.append(f"{name}: no Stripe API key on the command line")
+    # The console: on demand (its profile), published on the host's loopback only, its users file and
+    # session key as compose secrets (files), never variables; the URL operators open.
+    con = s["console"]
+    cenv = con.get("environment", {})
+    if con.get("command") != ["inbox-worker", "console"]: errors.append("console must run `inbox-worker console`")
+    if "console" not in con.get("profiles", []): errors.append("console: in a profile of its own")
+    if not con.get("read_only"): errors.append("console: read_only root filesystem")
+    if not con.get("ports"): errors.append("console: published on 127.0.0.1")
+    for p in con.get("ports", []):
+        if p.get("host_ip") != "127.0.0.1": errors.append(f"console: published on {p.get('host_ip') or 'every address'}, not 127.0.0.1 only")
+    if not cenv.get("INBOX_CONSOLE_PUBLIC_URL", "").startswith(("http://", "https://")): errors.append("console: INBOX_CONSOLE_PUBLIC_URL")
+    mounted = [x.get("target") or x["source"] for x in con.get("secrets", [])]
+    mounted = [t if t.startswith("/") else f"/run/secrets/{t}" for t in mounted]
+    for key in ["INBOX_CONSOLE_USERS_FILE", "INBOX_CONSOLE_SESSION_KEY_FILE"]:
+        if cenv.get(key) not in mounted:
+            errors.append(f"console: {key} must name a file of its compose secrets {mounted}, not {cenv.get(key)!r}")
+    for key in ["INBOX_CONSOLE_USERS", "INBOX_CONSOLE_SESSION_KEY"]:
+        if key in cenv: errors.append(f"console: {key} as a variable; a secret file ({key}_FILE)")
+    if int(re.fullmatch(r"(\d+)s", con.get("stop_grace_period", "10s")).group(1)) <= 30:
+        errors.append("console: stop_grace_period must exceed actix-web's 30 s drain")
 for e in errors: print("   error:", e)
 sys.exit(1 if errors else 0)
 PY
-ok "deploy/compose.yaml with deploy/compose.env.example; one database variable and role per service"
+ok "deploy/compose.yaml with deploy/compose.env.example; one database variable and role per service; the console on 127.0.0.1"
 
 # ---------------------------------------------------------------------------------------------
 step "Kubernetes manifests"
@@ -341,7 +365,8 @@ database_secrets = {name for name, keys in secrets.items() if "DATABASE_URL" in 
 roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
 components = {"migrate": ("Job", "inbox-migrate"), "ingest": ("Deployment", "inbox-ingest"),
               "worker": ("Deployment", "inbox-worker"), "relay": ("Deployment", "inbox-relay"),
-              "operator": ("CronJob", "inbox-purge"), "fetch": ("Deployment", "inbox-fetch")}
+              "operator": ("CronJob", "inbox-purge"), "fetch": ("Deployment", "inbox-fetch"),
+              "console": ("Deployment", "inbox-console")}
 def secret_names(spec):
     """Every Secret a pod spec reads: env, envFrom, volumes."""
     names = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
@@ -640,8 +665,64 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
         cmd = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
         if cmd[:2] != ["inbox-worker", "purge"] or "--older-than" not in cmd: err(where, "purge CronJob command")
 
+    # The operator console: a ClusterIP Service that no Ingress (nor another Service) exposes; its
+    # users file and session key as files of a mounted Secret of their own (never a literal, never a
+    # database Secret, not readable by others); the URL operators open; /healthz probes.
+    console = get("Deployment", "inbox-console")
+    console_port = None
+    if console:
+        spec = console["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        env = env_of(c)
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        console_port = ports.get("http")
+        if c.get("command") != ["inbox-worker", "console"]: err(where, "console: inbox-worker console")
+        if env.get("INBOX_CONSOLE_LISTEN", {}).get("value") != f"0.0.0.0:{console_port}":
+            err(where, "console: INBOX_CONSOLE_LISTEN must be 0.0.0.0 on the http port")
+        for probe in ("readinessProbe", "livenessProbe"):
+            get_ = c.get(probe, {}).get("httpGet", {})
+            if get_.get("path") != "/healthz" or get_.get("port") not in ("http", console_port):
+                err(where, f"console: {probe} on /healthz of the http port")
+        if not env.get("INBOX_CONSOLE_PUBLIC_URL", {}).get("value", "").startswith(("http://", "https://")):
+            err(where, "console: INBOX_CONSOLE_PUBLIC_URL, the http(s):// URL operators open")
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for name in ["INBOX_CONSOLE_USERS_FILE", "INBOX_CONSOLE_SESSION_KEY_FILE"]:
+            path = env.get(name, {}).get("value", "")
+            mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            if not path:
+                err(where, f"console: {name} (a file of the mounted console Secret)")
+            elif len(mounts) != 1 or "secret" not in volumes.get(mounts[0]["name"], {}):
+                err(where, f"console: {name} {path} is not in a mounted Secret volume")
+            else:
+                volume = volumes[mounts[0]["name"]]["secret"]
+                key = path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
+                if key not in secrets.get(volume["secretName"], set()):
+                    err(where, f"console: the Secret {volume['secretName']} has no key {key} in secrets.example.yaml")
+                elif volume["secretName"] in database_secrets:
+                    err(where, "console: its users and session key must not share a Secret with a DATABASE_URL")
+                mode = volume.get("defaultMode", 0o644)
+                if mode & 0o007: err(where, f"console: its Secret's files readable by others (defaultMode {oct(mode)})")
+                if mode & 0o040 and spec.get("securityContext", {}).get("fsGroup") is None:
+                    err(where, "console: its Secret's files are group-readable but the pod sets no fsGroup")
+        for name in ["INBOX_CONSOLE_USERS", "INBOX_CONSOLE_SESSION_KEY"]:
+            if name in env: err(where, f"console: {name} in the environment; a mounted Secret file ({name}_FILE)")
+        labels = console["spec"]["template"]["metadata"]["labels"]
+        svc = get("Service", "inbox-console")
+        if svc:
+            if svc["spec"].get("type", "ClusterIP") != "ClusterIP":
+                err(where, "Service inbox-console must be ClusterIP: reached by port-forward or your proxy, never exposed")
+            if (not set(svc["spec"]["selector"].items()) <= set(labels.items())
+                    or svc["spec"]["ports"][0]["targetPort"] not in (console_port, "http")):
+                err(where, "Service inbox-console does not reach the console's http port")
+        for (kind, name), o in objs.items():
+            if kind == "Ingress" and "inbox-console" in yaml.safe_dump(o):
+                err(where, f"Ingress {name} routes to the console: never expose it")
+            if (kind == "Service" and name != "inbox-console" and o["spec"].get("selector")
+                    and set(o["spec"]["selector"].items()) <= set(labels.items())):
+                err(where, f"Service {name} selects the console pods too")
+
     # NetworkPolicy: a default deny for every stripe-inbox pod, and only the ingest port (plus the
-    # worker and relay metrics ports for Prometheus) opened.
+    # worker and relay metrics ports for Prometheus, and the console's port from its clients) opened.
     policies = [o for (k, _), o in objs.items() if k == "NetworkPolicy"]
     if not any(p["spec"].get("ingress") in (None, []) and "Ingress" in p["spec"].get("policyTypes", [])
                and p["spec"]["podSelector"].get("matchLabels") == {"app.kubernetes.io/name": "stripe-inbox"}
@@ -653,17 +734,21 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
     for o in (worker, relay, objs.get(("Deployment", "inbox-fetch"))):
         if o:
             allowed |= {p["containerPort"] for p in o["spec"]["template"]["spec"]["containers"][0].get("ports", [])}
+    if console_port:
+        allowed.add(console_port)
     for p in policies:
         for rule in p["spec"].get("ingress", []) or []:
             ports = {x.get("port") for x in rule.get("ports", [])}
             if not ports: err(where, f"NetworkPolicy {p['metadata']['name']}: a rule without ports opens everything")
             if ports - allowed: err(where, f"NetworkPolicy {p['metadata']['name']}: opens {ports - allowed}")
+            if console_port in ports and not rule.get("from"):
+                err(where, f"NetworkPolicy {p['metadata']['name']}: opens the console's port to every source")
 
 for e in errors: print("   error:", e)
 sys.exit(1 if errors else 0)
 PY
-ok "probes, security contexts, grace periods, KEDA queries, relay signing secret, reconcile CronJobs, Stripe API keys, NetworkPolicy ports, Secret references"
-ok "one database Secret and role per component: migrate, ingest, worker, relay, purge (operator), KEDA (metrics), reconcile, fetch"
+ok "probes, security contexts, grace periods, KEDA queries, relay signing secret, reconcile CronJobs, Stripe API keys, the console (ClusterIP, not exposed, its Secret files), NetworkPolicy ports, Secret references"
+ok "one database Secret and role per component: migrate, ingest, worker, relay, purge (operator), KEDA (metrics), reconcile, fetch, console"
 
 # ---------------------------------------------------------------------------------------------
 step "systemd units"
@@ -674,7 +759,7 @@ roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
 units = {"inbox-ingest.service": "ingest", "inbox-worker@.service": "worker",
          "inbox-relay.service": "relay", "inbox-migrate.service": "migrate",
          "inbox-purge.service": "operator", "inbox-reconcile@.service": "reconcile",
-         "inbox-fetch.service": "fetch"}
+         "inbox-fetch.service": "fetch", "inbox-console.service": "console"}
 def env_file(path):
     """The variables of an EnvironmentFile (KEY=VALUE lines; comments and blanks skipped)."""
     out = {}
@@ -754,6 +839,23 @@ if len(exec_start) != 1 or not re.fullmatch(r"/usr/local/bin/\S+ reconcile --end
 timer = open("deploy/systemd/inbox-reconcile@.timer").read()
 for setting in ["OnCalendar", "RandomizedDelaySec", "Persistent"]:
     if not re.search(rf"^{setting}=\S", timer, re.M): errors.append(f"inbox-reconcile@.timer: {setting}=")
+# The console: on loopback; its users file and session key as credentials of the unit, never in an
+# environment file.
+console_unit = open("deploy/systemd/inbox-console.service").read()
+if re.findall(r"^ExecStart=(.*)$", console_unit, re.M) != ["/usr/local/bin/inbox-worker console"]:
+    errors.append("inbox-console.service: ExecStart=/usr/local/bin/inbox-worker console")
+if not re.search(r"^Environment=INBOX_CONSOLE_LISTEN=127\.0\.0\.1:\d+$", console_unit, re.M):
+    errors.append("inbox-console.service: INBOX_CONSOLE_LISTEN on 127.0.0.1 (a tunnel or a TLS proxy in front)")
+for name, var in [("console-users", "INBOX_CONSOLE_USERS_FILE"), ("console-session-key", "INBOX_CONSOLE_SESSION_KEY_FILE")]:
+    if not re.search(rf"^LoadCredential={name}:/etc/stripe-inbox/\S+$", console_unit, re.M):
+        errors.append(f"inbox-console.service: LoadCredential={name}:/etc/stripe-inbox/…")
+    elif not re.search(rf"^Environment={var}=%d/{name}$", console_unit, re.M):
+        errors.append(f"inbox-console.service: {var}=%d/{name} (the credential)")
+for example in glob.glob("deploy/systemd/*.env.example"):
+    if env_file(example).keys() & {"INBOX_CONSOLE_USERS_FILE", "INBOX_CONSOLE_SESSION_KEY_FILE", "INBOX_CONSOLE_LISTEN"}:
+        errors.append(f"{example}: the console's users, session key and listen address are set by its unit")
+if not env_file("deploy/systemd/console.env.example").get("INBOX_CONSOLE_PUBLIC_URL", "").startswith(("http://", "https://")):
+    errors.append("console.env.example: INBOX_CONSOLE_PUBLIC_URL")
 for example in sorted(set(glob.glob("deploy/systemd/*.example")) - used):
     errors.append(f"{example}: no unit reads it")
 for e in errors: print("   error:", e)
@@ -770,7 +872,8 @@ if command -v systemd-analyze >/dev/null 2>&1; then
     # verify reports unknown or invalid settings as warnings with exit status 0: any output fails.
     out=$(cd "$work/systemd" && systemd-analyze verify --man=no inbox-ingest.service inbox-worker@1.service \
         inbox-relay.service inbox-migrate.service inbox-purge.service inbox-purge.timer \
-        inbox-reconcile@billing.service inbox-reconcile@billing.timer inbox-fetch.service 2>&1) || { echo "$out"; die "systemd-analyze verify"; }
+        inbox-reconcile@billing.service inbox-reconcile@billing.timer inbox-fetch.service inbox-console.service 2>&1) \
+        || { echo "$out"; die "systemd-analyze verify"; }
     [[ -z $out ]] || { echo "${out//$work\/systemd\//deploy/systemd/}"; die "systemd-analyze verify warned"; }
     ok "systemd-analyze verify: $(cd deploy/systemd && echo *.service *.timer)"
 else

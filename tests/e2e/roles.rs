@@ -233,6 +233,7 @@ async fn every_component_role_has_a_pinned_search_path_that_a_schema_named_after
         "inbox_metrics",
         "inbox_reconciler",
         "inbox_fetcher",
+        "inbox_console",
     ] {
         let client = inbox_test_support::db::connect(&config_as(&db, role)).await;
         let path: String = client.query_one("SHOW search_path", &[]).await.unwrap().get(0);
@@ -528,4 +529,99 @@ async fn fetch_runs_as_inbox_fetcher_with_the_workers_rights_and_the_snapshots()
     let kept: i64 =
         operator.query_one("SELECT count(*) FROM stripe_object_snapshots", &[]).await.unwrap().get(0);
     assert_eq!(kept, 1, "inbox_operator reads the snapshots a replay re-applies");
+}
+
+/// `inbox-worker console` as inbox_console: every page reads, a requeue and a replay (the handlers'
+/// writes, through its membership of inbox_operator) work and are audited under its own db_user; it
+/// reads the audit log but, like the operators, can neither change nor delete a record, nor rewrite
+/// an event.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_console_runs_as_inbox_console_with_the_operators_rights_and_reads_the_audit_log() {
+    use inbox_test_support::console::{console_command, http_client, sign_in, start_console, UsersFile};
+
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying deploy/roles.sql");
+    admin.batch_execute(ROLES_SQL).await.expect("applying it again is harmless");
+    admin
+        .batch_execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, attempts, last_error,
+                                        parked_at)
+             VALUES ('stripe', 'billing', 'evt_parked', 'invoice.paid',
+                     '{\"id\": \"evt_parked\", \"type\": \"invoice.paid\", \"data\": {\"object\":
+                       {\"id\": \"in_parked\", \"customer\": \"cus_1\", \"amount_paid\": 100}}}', 10, 'boom', now());
+             INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, attempts, processed_at)
+             VALUES ('stripe', 'billing', 'evt_done', 'invoice.paid',
+                     '{\"id\": \"evt_done\", \"type\": \"invoice.paid\", \"data\": {\"object\":
+                       {\"id\": \"in_done\", \"customer\": \"cus_1\", \"amount_paid\": 250}}}', 1, now());",
+        )
+        .await
+        .unwrap();
+    let users = UsersFile::new(&[("alice", false)]);
+    let cmd = console_command(&url_as(&db, "inbox_console"), &users);
+    let (_console, base) = tokio::task::spawn_blocking(move || start_console(cmd)).await.unwrap();
+    let http = http_client();
+    let cookie = sign_in(&http, &base, "alice").await.expect("signing in");
+    let get = |path: String| {
+        let (http, cookie) = (http.clone(), cookie.clone());
+        async move {
+            let response = http.get(path).header(reqwest::header::COOKIE, cookie).send().await.unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    };
+    let post = |path: &str, form: Vec<(&'static str, String)>| {
+        let (http, cookie) = (http.clone(), cookie.clone());
+        let url = format!("{base}{path}");
+        async move {
+            let response =
+                http.post(url).header(reqwest::header::COOKIE, cookie).form(&form).send().await.unwrap();
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap())
+        }
+    };
+
+    let (status, page) = get(format!("{base}/events/billing/evt_parked")).await;
+    assert_eq!(status, 200, "{page}");
+    let at = page.find("name=\"csrf\" value=\"").expect("a csrf field") + "name=\"csrf\" value=\"".len();
+    let csrf = page[at..at + page[at..].find('"').unwrap()].to_owned();
+    for path in ["/", "/needs-review", "/needs-review?error=boom", "/outbox", "/reconciliation", "/audit"] {
+        let (status, page) = get(format!("{base}{path}")).await;
+        assert_eq!(status, 200, "GET {path} as inbox_console: {page}");
+    }
+
+    let event =
+        |id: &str| vec![("csrf", csrf.clone()), ("endpoint", "billing".into()), ("event_id", id.into())];
+    let (status, page) = post("/actions/requeue", event("evt_parked")).await;
+    assert_eq!(status, 303, "requeue as inbox_console: {page}");
+    let (status, page) = post("/actions/replay", event("evt_done")).await;
+    assert_eq!(status, 303, "replay as inbox_console: {page}");
+    assert_eq!(scalar(&admin, "SELECT count(*) FROM ledger_entries WHERE invoice_id = 'in_done'").await, 1);
+    assert_eq!(scalar(&admin, "SELECT count(*) FROM webhook_inbox WHERE parked_at IS NOT NULL").await, 0);
+    let who: Vec<(String, String, String)> = admin
+        .query("SELECT actor, action, db_user FROM operator_audit ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        who,
+        [
+            ("alice".to_owned(), "requeue".to_owned(), "inbox_console".to_owned()),
+            ("alice".to_owned(), "replay".to_owned(), "inbox_console".to_owned())
+        ]
+    );
+    let (status, page) = get(format!("{base}/audit")).await;
+    assert!(status == 200 && page.contains("replay"), "the audit log, read as inbox_console: {page}");
+
+    forbidden(&db, "inbox_console", "DELETE FROM operator_audit").await;
+    forbidden(&db, "inbox_console", "UPDATE operator_audit SET actor = 'mallory'").await;
+    forbidden(&db, "inbox_console", "UPDATE webhook_inbox SET payload = '{}'").await;
+    forbidden(&db, "inbox_console", "UPDATE inbox_workers SET seen_at = now()").await;
+    forbidden(
+        &db,
+        "inbox_console",
+        "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload) VALUES ('s', 'e', 'i', 't', '{}')",
+    )
+    .await;
 }
