@@ -701,3 +701,52 @@ async fn every_page_redirects_to_the_sign_in_form_without_a_session() {
         }
     }
 }
+
+#[tokio::test]
+async fn the_sign_in_form_carries_a_csrf_token_and_a_sign_in_without_it_is_refused() {
+    let db = TestDb::new().await;
+    let console = Console::start(&db).await;
+    let password = inbox_test_support::console::PASSWORD;
+    // No token and no sign-in cookie (a page of another site posting the form): refused, no session.
+    let bare = console
+        .http
+        .post(format!("{}/login", console.base))
+        .form(&[("user", "alice"), ("password", password)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bare.status().as_u16(), 403);
+    let cookies: Vec<String> = bare
+        .headers()
+        .get_all(reqwest::header::SET_COOKIE)
+        .iter()
+        .map(|v| v.to_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        !cookies.iter().any(|c| c.starts_with("inbox_console=") && !c.starts_with("inbox_console=;")),
+        "{cookies:?}"
+    );
+    // A token of one form with another form's cookie: refused too.
+    let (_, _, form) = console.get_as(None, "/login").await;
+    assert!(form.contains("name=\"csrf\""), "{form}");
+    let token = form.split("name=\"csrf\" value=\"").nth(1).unwrap().split('"').next().unwrap().to_owned();
+    let other = console.http.get(format!("{}/login", console.base)).send().await.unwrap();
+    let other_cookie = other
+        .headers()
+        .get_all(reqwest::header::SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok()?.split(';').next().map(str::to_owned))
+        .find(|c| c.starts_with("inbox_console_login="))
+        .unwrap();
+    let mixed = console
+        .http
+        .post(format!("{}/login", console.base))
+        .header(reqwest::header::COOKIE, other_cookie)
+        .form(&[("user", "alice"), ("password", password), ("csrf", token.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(mixed.status().as_u16(), 403);
+    // The form as served signs in (Console::start did, through the same helper).
+    assert!(console.alice.starts_with("inbox_console="));
+}

@@ -84,8 +84,30 @@ pub fn http_client() -> reqwest::Client {
 /// Signs `user` in with [`PASSWORD`] and returns the `Cookie` header of the session
 /// (`inbox_console=…`).
 pub async fn sign_in(http: &reqwest::Client, base: &str, user: &str) -> anyhow::Result<String> {
-    let response =
-        http.post(format!("{base}/login")).form(&[("user", user), ("password", PASSWORD)]).send().await?;
+    // The sign-in form first: its cookie and the CSRF field bound to it.
+    let form = http.get(format!("{base}/login")).send().await?;
+    let login_cookie = form
+        .headers()
+        .get_all(reqwest::header::SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .filter_map(|v| v.split(';').next())
+        .find(|pair| pair.starts_with("inbox_console_login="))
+        .map(str::to_owned)
+        .ok_or_else(|| anyhow::anyhow!("the sign-in form set no inbox_console_login cookie"))?;
+    let html = form.text().await?;
+    let csrf = html
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .ok_or_else(|| anyhow::anyhow!("the sign-in form has no csrf field"))?
+        .to_owned();
+    let response = http
+        .post(format!("{base}/login"))
+        .header(reqwest::header::COOKIE, login_cookie)
+        .form(&[("user", user), ("password", PASSWORD), ("csrf", csrf.as_str())])
+        .send()
+        .await?;
     anyhow::ensure!(response.status() == 303, "sign-in of {user} answered {}", response.status());
     response
         .headers()

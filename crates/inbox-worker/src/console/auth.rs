@@ -11,7 +11,8 @@
 //!   Decision note: actix-session's cookie store would bring the cookie crate's RustCrypto stack at
 //!   majors older than the ones already in the tree; a session here is four fields, signed with the
 //!   HMAC the project already uses for every signature.
-//! * **CSRF**: every form carries `csrf`, an HMAC of the session's nonce under the session key,
+//! * **CSRF**: every form carries `csrf`, an HMAC of the session's nonce under the session key (the
+//!   sign-in form: of a nonce in its own signed cookie, `inbox_console_login`),
 //!   checked in constant time (`ring::hmac::verify`); a POST whose `Origin` or `Sec-Fetch-Site`
 //!   says it came from another site is refused before that.
 //! * **Sign-in attempts** are limited per user name and per client address: after 5 failures in 15
@@ -30,6 +31,12 @@ use base64::Engine as _;
 
 /// The session cookie's name.
 pub const SESSION_COOKIE: &str = "inbox_console";
+
+/// The sign-in form's cookie: a random nonce, signed; the form's CSRF token is bound to it.
+pub const LOGIN_COOKIE: &str = "inbox_console_login";
+
+/// How long a sign-in form stays usable.
+const LOGIN_FORM_TTL: Duration = Duration::from_secs(3600);
 
 /// Failed sign-ins allowed per user and per address in [`LIMIT_WINDOW`].
 const LIMIT_FAILURES: usize = 5;
@@ -256,13 +263,40 @@ impl Auth {
         self.cookie(signed, self.ttl)
     }
 
+    /// A sign-in form's token: the cookie holding its signed nonce, and the form's CSRF field.
+    pub fn login_token(&self) -> (Cookie<'static>, String) {
+        let mut nonce = [0u8; 16];
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce);
+        let nonce = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(nonce);
+        let value = format!("{nonce}|{}", self.key.sign(format!("login|{nonce}").as_bytes()));
+        let csrf = self.key.sign(format!("login-csrf|{nonce}").as_bytes());
+        (self.named_cookie(LOGIN_COOKIE, value, LOGIN_FORM_TTL), csrf)
+    }
+
+    /// The cookie that ends a sign-in form's token (it signed someone in).
+    pub fn login_token_spent(&self) -> Cookie<'static> {
+        self.named_cookie(LOGIN_COOKIE, String::new(), Duration::ZERO)
+    }
+
+    /// Whether `token` is the CSRF field of the sign-in form whose cookie `req` carries.
+    pub fn login_csrf_ok(&self, req: &HttpRequest, token: &str) -> bool {
+        let Some(cookie) = req.cookie(LOGIN_COOKIE) else { return false };
+        let Some((nonce, tag)) = cookie.value().split_once('|') else { return false };
+        self.key.verify(format!("login|{nonce}").as_bytes(), tag)
+            && self.key.verify(format!("login-csrf|{nonce}").as_bytes(), token)
+    }
+
     /// The cookie that ends a session.
     pub fn signed_out_cookie(&self) -> Cookie<'static> {
         self.cookie(String::new(), Duration::ZERO)
     }
 
     fn cookie(&self, value: String, max_age: Duration) -> Cookie<'static> {
-        Cookie::build(SESSION_COOKIE, value)
+        self.named_cookie(SESSION_COOKIE, value, max_age)
+    }
+
+    fn named_cookie(&self, name: &'static str, value: String, max_age: Duration) -> Cookie<'static> {
+        Cookie::build(name, value)
             .path("/")
             .http_only(true)
             .same_site(SameSite::Strict)

@@ -248,33 +248,55 @@ async fn stylesheet() -> HttpResponse {
 #[template(path = "console/login.html")]
 pub struct LoginPage {
     pub error: Option<String>,
+    /// The form's CSRF token, bound to the sign-in cookie set with the form.
+    pub csrf: String,
+}
+
+/// The sign-in form with `error` and `status`, and a fresh sign-in token (its cookie and the form's
+/// field): the form carries a CSRF token like every other, so a page of another site cannot sign a
+/// browser in to someone else's account.
+fn login_page(auth: &Auth, error: Option<String>, status: actix_web::http::StatusCode) -> HttpResponse {
+    let (cookie, csrf) = auth.login_token();
+    let mut response = render(&LoginPage { error, csrf }, status);
+    let _ = response.add_cookie(&cookie);
+    response
 }
 
 async fn login_form(req: HttpRequest, auth: web::Data<Auth>) -> HttpResponse {
     if auth.operator(&req).is_some() {
         return HttpResponse::SeeOther().insert_header((header::LOCATION, "/")).finish();
     }
-    render(&LoginPage { error: None }, actix_web::http::StatusCode::OK)
+    login_page(&auth, None, actix_web::http::StatusCode::OK)
 }
 
 #[derive(Deserialize)]
 struct Credentials {
     user: String,
     password: String,
+    #[serde(default)]
+    csrf: String,
 }
 
-/// Sign-in: limited per user and per address; the same answer for an unknown user and a wrong
-/// password.
+/// Sign-in: the form's token first, then limited per user and per address; the same answer for an
+/// unknown user and a wrong password.
 async fn login(req: HttpRequest, auth: web::Data<Auth>, form: web::Form<Credentials>) -> HttpResponse {
     if let Err(refused) = auth.same_site(&req) {
         return actix_web::ResponseError::error_response(&refused);
+    }
+    if !auth.login_csrf_ok(&req, &form.csrf) {
+        return login_page(
+            &auth,
+            Some("The sign-in form expired or came from elsewhere: sign in again here.".into()),
+            actix_web::http::StatusCode::FORBIDDEN,
+        );
     }
     let address = req.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
     let keys = vec![format!("user:{}", form.user.trim()), format!("addr:{address}")];
     if !auth.limiter.allowed(&keys) {
         tracing::warn!(user = %form.user.trim(), address, "console sign-in refused: too many failures");
-        return render(
-            &LoginPage { error: Some("Too many failed sign-ins: wait 15 minutes.".into()) },
+        return login_page(
+            &auth,
+            Some("Too many failed sign-ins: wait 15 minutes.".into()),
             actix_web::http::StatusCode::TOO_MANY_REQUESTS,
         );
     }
@@ -285,13 +307,15 @@ async fn login(req: HttpRequest, auth: web::Data<Auth>, form: web::Form<Credenti
             HttpResponse::SeeOther()
                 .insert_header((header::LOCATION, "/"))
                 .cookie(auth.session_cookie(&user))
+                .cookie(auth.login_token_spent())
                 .finish()
         }
         None => {
             auth.limiter.failed(&keys);
             tracing::warn!(user = %form.user.trim(), address, "console sign-in failed");
-            render(
-                &LoginPage { error: Some("Unknown user or wrong password.".into()) },
+            login_page(
+                &auth,
+                Some("Unknown user or wrong password.".into()),
                 actix_web::http::StatusCode::UNAUTHORIZED,
             )
         }
