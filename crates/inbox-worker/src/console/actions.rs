@@ -31,8 +31,8 @@ use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use askama::Template;
 use deadpool_postgres::Object;
 use inbox_domain::db::describe_pool_error;
-use inbox_domain::inbox::store::admin::{ParkedFilter, TableChange};
-use inbox_domain::inbox::store::console::{like_literal, ReviewFilter};
+use inbox_domain::inbox::store::admin::TableChange;
+use inbox_domain::inbox::store::console::like_literal;
 use inbox_domain::PROVIDER_STRIPE;
 use serde::Deserialize;
 
@@ -438,18 +438,6 @@ impl FilteredForm {
     }
 }
 
-/// The store's filter of parked rows for the needs-review filters (`error` LIKE-escaped).
-fn parked_filter<'a>(filter: &'a ReviewFilter, error_pattern: Option<&'a str>) -> ParkedFilter<'a> {
-    ParkedFilter {
-        event_type: filter.event_type.as_deref(),
-        error_pattern,
-        endpoint: filter.endpoint.as_deref(),
-        held: filter.held.map(|h| h.as_str()),
-        older_than_seconds: filter.older_than_seconds,
-        account: filter.account.as_deref(),
-    }
-}
-
 /// The confirmation of `requeue-filtered`.
 #[derive(Template)]
 #[template(path = "console/action_confirm.html")]
@@ -504,7 +492,7 @@ async fn requeue_filtered_action(
         }
     };
     let pattern = filter.error_contains.as_deref().map(like_literal);
-    let parked = parked_filter(&filter, pattern.as_deref());
+    let parked = filter.parked(pattern.as_deref());
     let mut conn = connection(console, &operator, &back).await?;
     let count = match requeue::count_matching(&**conn, &parked).await {
         Ok(count) => count,

@@ -610,38 +610,6 @@ pub async fn payload_matches(
 
 // ---------------------------------------------------------------------------------- requeue
 
-/// The rows `requeue --all` is about, after `WHERE`: parked rows of `$1` (provider), of event type
-/// `$2` (or any, when NULL), whose `last_error` contains `$3` (a pattern LIKE-escaped by the
-/// caller; any, when NULL); and, for the filters of the console's needs-review list (each any when
-/// NULL, with the meaning `store::console`'s `review_filters!` gives them), of endpoint `$4`, held
-/// on arrival as `$5` (`unstorable`, `livemode`, `any`; `none`: not held), received more than `$6`
-/// seconds before `$now` (the count's time: `now()` in the count, its `as_of` in the batches, so
-/// that both see one cutoff), of connected account `$7` (the event's `account`, or a thin event's
-/// `context`, as [`PARKED_ROWS_SQL`] reads it). Shared by [`COUNT_PARKED_SQL`] and
-/// [`LOCK_PARKED_SQL`], so that the batches take what the count counted. The statements are sent
-/// unnamed (planned for their arguments): a NULL filter folds away, and the scan stays on
-/// `webhook_inbox_parked`.
-macro_rules! parked_filters {
-    ($now:literal) => {
-        concat!(
-            "provider = $1 AND ",
-            parked!(),
-            "
-   AND ($2::text IS NULL OR event_type = $2)
-   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')
-   AND ($4::text IS NULL OR endpoint = $4)
-   AND ($5::text IS NULL OR CASE $5 WHEN 'any' THEN held IS NOT NULL
-                                    WHEN 'none' THEN held IS NULL
-                                    ELSE held = $5 END)
-   AND ($6::float8 IS NULL OR received_at < ",
-            $now,
-            " - make_interval(secs => $6))
-   AND ($7::text IS NULL OR $7 = CASE WHEN jsonb_typeof(payload->'account') = 'string' THEN payload->>'account'
-                                      WHEN jsonb_typeof(payload->'context') = 'string' THEN payload->>'context' END)"
-        )
-    };
-}
-
 /// The filters of `parked_filters!`: `requeue --all` sets the first two, the console any of them.
 /// None is "any".
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -660,7 +628,7 @@ pub struct ParkedFilter<'a> {
 
 impl ParkedFilter<'_> {
     /// The parameters `$1` to `$7` of `parked_filters!`.
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 7] {
+    pub(crate) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 7] {
         [
             (&PROVIDER_STRIPE, Type::TEXT),
             (&self.event_type, Type::TEXT),

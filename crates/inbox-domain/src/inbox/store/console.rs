@@ -13,27 +13,6 @@ use tokio_postgres::GenericClient;
 
 use crate::PROVIDER_STRIPE;
 
-/// The connected account an event names — `account` (Connect), else a thin event's `context` —
-/// read from the payload of the row whose columns are prefixed `$p` (`"w."`, or `""`); NULL when
-/// the event names none, and for an unstorable row (no payload). As `admin::PARKED_ROWS_SQL`
-/// computes it. A string literal, for `concat!`.
-macro_rules! event_account {
-    ($p:literal) => {
-        concat!(
-            "CASE WHEN jsonb_typeof(",
-            $p,
-            "payload->'account') = 'string' THEN ",
-            $p,
-            "payload->>'account'
-            WHEN jsonb_typeof(",
-            $p,
-            "payload->'context') = 'string' THEN ",
-            $p,
-            "payload->>'context' END"
-        )
-    };
-}
-
 /// An RFC 3339 text in UTC of the timestamptz expression `$e` (a string literal, for `concat!`).
 macro_rules! utc_text {
     ($e:literal) => {
@@ -235,37 +214,7 @@ pub struct ReviewFilter {
     pub account: Option<String>,
 }
 
-/// The rows of a needs-review listing, after `WHERE`: the parked rows (held ones included: the
-/// ingest parks them on arrival) of `$1` (provider), with the filters of [`ReviewFilter`] as `$2`
-/// event type, `$3` endpoint, `$4` held (`unstorable`, `livemode`, `any`, `none`), `$5` the
-/// LIKE-escaped text of `last_error`, `$6` the age in seconds, `$7` account — each NULL for any.
-/// Columns unqualified (one table). Shared by [`REVIEW_COUNT_SQL`] and [`REVIEW_PAGE_SQL`], so the
-/// count is of the rows the pages list.
-///
-/// The statements are sent unnamed (`query_typed`), so each is planned for its arguments: a NULL
-/// filter folds away, and what is left is the predicate of `webhook_inbox_parked` (its key,
-/// `received_at`, bounds the age) and filters on the rows it finds.
-macro_rules! review_filters {
-    () => {
-        concat!(
-            "provider = $1 AND ",
-            parked!(),
-            "
-   AND ($2::text IS NULL OR event_type = $2)
-   AND ($3::text IS NULL OR endpoint = $3)
-   AND ($4::text IS NULL OR CASE $4 WHEN 'any' THEN held IS NOT NULL
-                                    WHEN 'none' THEN held IS NULL
-                                    ELSE held = $4 END)
-   AND ($5::text IS NULL OR last_error ILIKE '%' || $5 || '%')
-   AND ($6::float8 IS NULL OR received_at < now() - make_interval(secs => $6))
-   AND ($7::text IS NULL OR ",
-            event_account!(""),
-            " = $7)"
-        )
-    };
-}
-
-/// How many parked rows match the filters of `review_filters!` (`matching`), and how many of them
+/// How many parked rows match the filters of `parked_filters!` (`matching`), and how many of them
 /// were not held on arrival (`not_held`: what a requeue of the set takes — it leaves held rows,
 /// each a person's decision). Reads the partial index `webhook_inbox_parked` (the parked rows
 /// only, however large the processed history) and the rows it points to, for the filters'
@@ -274,7 +223,7 @@ pub const REVIEW_COUNT_SQL: &str = concat!(
     "SELECT count(*) AS matching, count(*) FILTER (WHERE held IS NULL) AS not_held
   FROM webhook_inbox
  WHERE ",
-    review_filters!()
+    parked_filters!("now()")
 );
 
 /// What [`REVIEW_COUNT_SQL`] counts.
@@ -285,7 +234,7 @@ pub struct ReviewCount {
     pub not_held: i64,
 }
 
-/// One page of the parked rows matching the filters of `review_filters!`, oldest first —
+/// One page of the parked rows matching the filters of `parked_filters!`, oldest first —
 /// `(received_at, endpoint, event_id)`, the provider being fixed — `$8` rows after the first `$9`.
 /// Times as RFC 3339 text in UTC, the account and livemode read from the payload as
 /// `admin::PARKED_ROWS_SQL` reads them.
@@ -301,7 +250,7 @@ WITH page AS (
     SELECT provider, endpoint, event_id, received_at
       FROM webhook_inbox
      WHERE ",
-    review_filters!(),
+    parked_filters!("now()"),
     "
      ORDER BY received_at, endpoint, event_id
      LIMIT $8 OFFSET $9
@@ -354,40 +303,17 @@ pub fn like_literal(text: &str) -> String {
 }
 
 impl ReviewFilter {
-    /// The filter's arguments `$2..$7` of `review_filters!` (the error text LIKE-escaped).
-    fn arguments(&self) -> ReviewArguments<'_> {
-        ReviewArguments {
+    /// The store's filter of parked rows for these filters, `error_pattern` being
+    /// [`like_literal`] of `error_contains` (owned by the caller, so that the filter can borrow it).
+    pub fn parked<'a>(&'a self, error_pattern: Option<&'a str>) -> super::admin::ParkedFilter<'a> {
+        super::admin::ParkedFilter {
             event_type: self.event_type.as_deref(),
+            error_pattern,
             endpoint: self.endpoint.as_deref(),
             held: self.held.map(HeldFilter::as_str),
-            error: self.error_contains.as_deref().map(like_literal),
-            older_than: self.older_than_seconds,
+            older_than_seconds: self.older_than_seconds,
             account: self.account.as_deref(),
         }
-    }
-}
-
-struct ReviewArguments<'a> {
-    event_type: Option<&'a str>,
-    endpoint: Option<&'a str>,
-    held: Option<&'static str>,
-    error: Option<String>,
-    older_than: Option<f64>,
-    account: Option<&'a str>,
-}
-
-impl ReviewArguments<'_> {
-    /// `$1..$7` of `review_filters!`.
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 7] {
-        [
-            (&PROVIDER_STRIPE, Type::TEXT),
-            (&self.event_type, Type::TEXT),
-            (&self.endpoint, Type::TEXT),
-            (&self.held, Type::TEXT),
-            (&self.error, Type::TEXT),
-            (&self.older_than, Type::FLOAT8),
-            (&self.account, Type::TEXT),
-        ]
     }
 }
 
@@ -396,8 +322,8 @@ pub async fn review_count(
     client: &(impl GenericClient + Sync),
     filter: &ReviewFilter,
 ) -> Result<ReviewCount, tokio_postgres::Error> {
-    let arguments = filter.arguments();
-    let row = client.query_typed_one(REVIEW_COUNT_SQL, &arguments.params()).await?;
+    let error = filter.error_contains.as_deref().map(like_literal);
+    let row = client.query_typed_one(REVIEW_COUNT_SQL, &filter.parked(error.as_deref()).params()).await?;
     Ok(ReviewCount { matching: row.get("matching"), not_held: row.get("not_held") })
 }
 
@@ -408,8 +334,9 @@ pub async fn review_page(
     limit: i64,
     offset: i64,
 ) -> Result<Vec<ReviewRow>, tokio_postgres::Error> {
-    let arguments = filter.arguments();
-    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = arguments.params().to_vec();
+    let error = filter.error_contains.as_deref().map(like_literal);
+    let parked = filter.parked(error.as_deref());
+    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = parked.params().to_vec();
     params.push((&limit, Type::INT8));
     params.push((&offset, Type::INT8));
     let rows = client.query_typed(REVIEW_PAGE_SQL, &params).await?;

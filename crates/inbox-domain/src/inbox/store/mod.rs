@@ -97,6 +97,62 @@ macro_rules! claimed_by_a_live_worker {
     };
 }
 
+/// The connected account an event names — `account` (Connect), else a thin event's `context` —
+/// read from the payload of the row whose columns are prefixed `$p` (`"w."`, or `""`); NULL when
+/// the event names none, and for an unstorable row (no payload). As `admin::PARKED_ROWS_SQL`
+/// computes it. A string literal, for `concat!`.
+macro_rules! event_account {
+    ($p:literal) => {
+        concat!(
+            "CASE WHEN jsonb_typeof(",
+            $p,
+            "payload->'account') = 'string' THEN ",
+            $p,
+            "payload->>'account'
+            WHEN jsonb_typeof(",
+            $p,
+            "payload->'context') = 'string' THEN ",
+            $p,
+            "payload->>'context' END"
+        )
+    };
+}
+
+/// The rows `requeue --all` is about, after `WHERE`: parked rows of `$1` (provider), of event type
+/// `$2` (or any, when NULL), whose `last_error` contains `$3` (a pattern LIKE-escaped by the
+/// caller; any, when NULL); and, for the filters of the console's needs-review list (each any when
+/// NULL), of endpoint `$4`, held
+/// on arrival as `$5` (`unstorable`, `livemode`, `any`; `none`: not held), received more than `$6`
+/// seconds before `$now` (the count's time: `now()` in the count, its `as_of` in the batches, so
+/// that both see one cutoff), of connected account `$7` (the event's `account`, or a thin event's
+/// `context`, as `admin::PARKED_ROWS_SQL` reads it). Shared by `admin::COUNT_PARKED_SQL` and
+/// `admin::LOCK_PARKED_SQL`, so that the batches take what the count counted, and by the
+/// console's needs-review count and pages (`console::REVIEW_COUNT_SQL`, `REVIEW_PAGE_SQL`), so that
+/// the list, its count and a requeue of the listed set agree. A string literal, for `concat!`. The statements are sent
+/// unnamed (planned for their arguments): a NULL filter folds away, and the scan stays on
+/// `webhook_inbox_parked`.
+macro_rules! parked_filters {
+    ($now:literal) => {
+        concat!(
+            "provider = $1 AND ",
+            parked!(),
+            "
+   AND ($2::text IS NULL OR event_type = $2)
+   AND ($3::text IS NULL OR last_error ILIKE '%' || $3 || '%')
+   AND ($4::text IS NULL OR endpoint = $4)
+   AND ($5::text IS NULL OR CASE $5 WHEN 'any' THEN held IS NOT NULL
+                                    WHEN 'none' THEN held IS NULL
+                                    ELSE held = $5 END)
+   AND ($6::float8 IS NULL OR received_at < ",
+            $now,
+            " - make_interval(secs => $6))
+   AND ($7::text IS NULL OR $7 = ",
+            event_account!(""),
+            ")"
+        )
+    };
+}
+
 /// The fence of every write after a claim, on the inbox and the outbox alike: the row `$row` still
 /// carries the claim `$claim` (its `attempts` and `leased_until`, the values the claim wrote). A
 /// row claimed again since — after the lease expired, or after an operator requeued it — carries
