@@ -23,6 +23,7 @@ pub mod process;
 pub mod proxy;
 pub mod receiver;
 pub mod replica;
+pub mod server_user;
 pub mod stripe_api;
 pub mod stripe_fixtures;
 pub mod tls;

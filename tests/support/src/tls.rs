@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::server_user::{as_server, run, running_as_root, write_as_server};
+
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
 /// The password role `inbox_pw` is created with.
@@ -27,35 +29,6 @@ pub struct TlsCluster {
     /// The client certificate and key of role `inbox_cert` (PEM), signed by [`TlsCluster::ca`].
     pub client_cert: PathBuf,
     pub client_key: PathBuf,
-}
-
-fn running_as_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::geteuid() == 0
-    }
-}
-
-/// `program args…`, as the `postgres` user when we are root.
-fn as_server(program: &str) -> Command {
-    if running_as_root() {
-        let mut cmd = Command::new("runuser");
-        cmd.args(["-u", "postgres", "--", program]).current_dir("/");
-        cmd
-    } else {
-        Command::new(program)
-    }
-}
-
-fn run(mut cmd: Command, what: &str) {
-    let output = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    assert!(
-        output.status.success(),
-        "{what} failed: {}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
 }
 
 fn openssl(dir: &Path, args: &[&str]) {
@@ -172,11 +145,7 @@ impl TlsCluster {
                    hostssl all all 127.0.0.1/32 trust\n";
         // Written by the server's user: the files are in its directory.
         for (file, text) in [("postgresql.auto.conf", conf.as_str()), ("pg_hba.conf", hba)] {
-            let mut tee = as_server("tee");
-            tee.arg(data.join(file)).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::null());
-            let mut child = tee.spawn().unwrap();
-            std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
-            assert!(child.wait().unwrap().success(), "writing {file}");
+            write_as_server(&data.join(file), text, false);
         }
         let mut chmod = as_server("chmod");
         chmod.arg("600").arg(dir.join("server.key"));
