@@ -4,10 +4,10 @@
 //! a refusal is the command's own message (409), never a 500.
 
 use inbox_test_support::console::{console_command, http_client, sign_in, start_console, UsersFile};
-use inbox_test_support::db::{column, scalar};
+use inbox_test_support::db::{audit, scalar, snapshot};
 use inbox_test_support::process::Proc;
 use inbox_test_support::TestDb;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio_postgres::Client;
 
 /// A console on `db` with `alice` (who may act) and `viewer` (read-only), `alice` signed in.
@@ -109,22 +109,6 @@ async fn state(client: &Client, event_id: &str) -> (i32, bool, Option<String>, b
         .await
         .unwrap();
     (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))
-}
-
-/// Every inbox row as text, to compare before and after.
-async fn snapshot(client: &Client) -> Vec<String> {
-    column(client, "SELECT w::text FROM webhook_inbox AS w ORDER BY endpoint, event_id").await
-}
-
-/// The audit records, oldest first: (actor, action, target, affected).
-async fn audit(client: &Client) -> Vec<(String, String, Value, i32)> {
-    client
-        .query("SELECT actor, action, target, affected FROM operator_audit ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect()
 }
 
 #[tokio::test]

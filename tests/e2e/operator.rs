@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_test_support::db::{admin_url, column, scalar, url_with_dbname};
+use inbox_test_support::db::{admin_url, audit, column, scalar, snapshot, url_with_dbname};
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::TestDb;
 use serde_json::{json, Value};
@@ -153,22 +153,6 @@ async fn state(client: &Client, endpoint: &str, event_id: &str) -> (i32, Option<
         .await
         .unwrap();
     (r.get(0), r.get(1), r.get(2), r.get(3))
-}
-
-/// Every inbox row as text, to compare before and after.
-async fn snapshot(client: &Client) -> Vec<String> {
-    column(client, "SELECT w::text FROM webhook_inbox AS w ORDER BY endpoint, event_id").await
-}
-
-/// The audit records, oldest first: (actor, action, target, affected).
-async fn audit(client: &Client) -> Vec<(String, String, Value, i32)> {
-    client
-        .query("SELECT actor, action, target, affected FROM operator_audit ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect()
 }
 
 /// The audit records of one operator command: a record without `target.run` starts a run (a

@@ -209,3 +209,19 @@ impl Drop for TestDb {
         .join();
     }
 }
+
+/// Every inbox row as text, to compare before and after an operation that must change nothing.
+pub async fn snapshot(client: &Client) -> Vec<String> {
+    column(client, "SELECT w::text FROM webhook_inbox AS w ORDER BY endpoint, event_id").await
+}
+
+/// The audit records, oldest first: (actor, action, target, affected).
+pub async fn audit(client: &Client) -> Vec<(String, String, serde_json::Value, i32)> {
+    client
+        .query("SELECT actor, action, target, affected FROM operator_audit ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
