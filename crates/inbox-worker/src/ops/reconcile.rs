@@ -423,11 +423,11 @@ impl Walk<'_> {
                     )
                     .await
                     .map_err(db_error("storing a page of events"))?;
-                    let Some((now_totals, _)) = stored else {
+                    let Some(now_totals) = stored else {
                         anyhow::bail!("run {id} of endpoint {endpoint} was taken over by another reconcile");
                     };
                     tx.commit().await.map_err(db_error("committing a page of events"))?;
-                    totals = Totals { pages: totals.pages + 1, ..now_totals };
+                    totals = now_totals;
                 }
             }
             progress.page(&totals);

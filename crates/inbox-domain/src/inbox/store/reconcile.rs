@@ -68,7 +68,7 @@ UPDATE reconcile_runs
    SET starting_after = $3, pages = pages + 1, found = found + $4, present = present + $5,
        inserted = inserted + $6, skipped = skipped + $7, heartbeat_at = now()
  WHERE id = $1 AND owner = $2 AND finished_at IS NULL
-RETURNING found, present, inserted, skipped";
+RETURNING pages, found, present, inserted, skipped";
 
 /// Finishes run `$1` owned by `$2` with outcome `$3` (`complete`); returns its totals.
 pub const FINISH_SQL: &str = "\
@@ -222,7 +222,7 @@ pub async fn store_page(
     owner: &str,
     cursor: &str,
     skipped: i64,
-) -> Result<Option<(Totals, i64)>, tokio_postgres::Error> {
+) -> Result<Option<Totals>, tokio_postgres::Error> {
     let arrays = super::ingest::EventArrays::new(events.iter().map(|e| super::ingest::EventRow {
         endpoint,
         event_id: e.event_id,
@@ -249,11 +249,12 @@ pub async fn store_page(
         (&skipped, Type::INT8),
     ];
     let row = tx.query_typed(PAGE_DONE_SQL, &params).await?.into_iter().next();
-    Ok(row.map(|r| {
-        (
-            Totals { pages: 0, found: r.get(0), present: r.get(1), inserted: r.get(2), skipped: r.get(3) },
-            inserted,
-        )
+    Ok(row.map(|r| Totals {
+        pages: r.get(0),
+        found: r.get(1),
+        present: r.get(2),
+        inserted: r.get(3),
+        skipped: r.get(4),
     }))
 }
 
