@@ -74,6 +74,9 @@ ALTER TABLE public.queue_gauges OWNER TO inbox_owner;
 ALTER TABLE public.inbox_workers OWNER TO inbox_owner;
 ALTER TABLE public.reconcile_runs OWNER TO inbox_owner;
 ALTER TABLE public.stripe_object_snapshots OWNER TO inbox_owner;
+-- V16's SECURITY DEFINER function, which analyses webhook_inbox, webhook_inbox_queue and outbox for the workers after
+-- PostgreSQL lost its statistics (a crash restart): it runs as its owner, so it is the tables'.
+ALTER FUNCTION public.inbox_analyze_after_stats_reset() OWNER TO inbox_owner;
 
 -- Every session of these roles, in this database, resolves names the same way, whatever the
 -- server's default: the inbox's schema, and temporary objects last (pg_catalog, not listed, is
@@ -125,6 +128,9 @@ GRANT INSERT ON public.outbox TO inbox_worker;
 GRANT SELECT, UPDATE ON public.queue_gauges TO inbox_worker;
 -- Each worker's row saying what it claims (V9): written at start, refreshed, removed at stop.
 GRANT SELECT, INSERT, UPDATE, DELETE ON public.inbox_workers TO inbox_worker;
+-- The analyse of webhook_inbox, its queue and outbox after PostgreSQL lost its statistics (V16): only the
+-- owner may ANALYZE, and the function does that for those three tables and nothing else.
+GRANT EXECUTE ON FUNCTION public.inbox_analyze_after_stats_reset() TO inbox_worker;
 
 -- inbox_relay: claim (lease, attempt, fencing token), read what it delivers, mark published,
 -- record failures, park, hand back — on outbox rows only. It never inserts or deletes one, never

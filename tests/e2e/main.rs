@@ -1,6 +1,7 @@
 //! End-to-end tests: real PostgreSQL (a database per test), real HTTP, the built binaries.
 //! One test binary, so the workspace links it once.
 
+mod after_crash;
 mod bad_input;
 mod broken_orderings;
 mod connection;

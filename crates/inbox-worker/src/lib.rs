@@ -42,8 +42,9 @@
 //! `run` is River's division of labour: the [`runner`] wires the `producer` (claims rows,
 //! transaction 1), the `executor` (runs a batch and marks it processed, transaction 2) and the
 //! `completer` (records failures, transaction 3), with the wake-up `listener`, the `metrics`
-//! and the shutdown signal. Each operator command is a module of `ops`. Every SQL statement on
-//! the inbox is in `inbox_domain::inbox::store`.
+//! and the shutdown signal, and the `statistics` check that analyses the queue tables after
+//! PostgreSQL lost its statistics (a crash restart). Each operator command is a module of `ops`.
+//! Every SQL statement on the inbox is in `inbox_domain::inbox::store`.
 
 use std::process::ExitCode;
 
@@ -68,6 +69,7 @@ pub mod producer;
 pub mod relay;
 #[doc(hidden)]
 pub mod runner;
+mod statistics;
 pub mod stripe;
 
 /// What a handler needs, and what a worker binary registers.

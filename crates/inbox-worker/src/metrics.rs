@@ -53,6 +53,14 @@ struct OutcomeLabel {
     outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TableLabel {
+    table: String,
+}
+
+/// The tables `inbox_worker_stats_reset_analyses_total` counts (its series exist from the start, at 0).
+const ANALYSED_TABLES: [&str; 3] = ["webhook_inbox", "webhook_inbox_queue", "outbox"];
+
 /// The processing runtime's pulse, for `/healthz`: the metrics server runs on a thread of its own,
 /// so without it `/healthz` would answer 200 while a handler blocks the thread every claim, batch
 /// and timeout runs on. A task on the processing runtime beats every [`HEARTBEAT_INTERVAL`]
@@ -121,6 +129,9 @@ pub struct Metrics {
     /// Open reconciliation items: counted by every worker itself (a cheap index count, see
     /// `store::reconciliation::open_count`), not shared through `queue_gauges`.
     pub reconciliation_items_open: Gauge,
+    /// Analyses this worker ran because PostgreSQL's statistics of a queue table were reset (a
+    /// crash restart): see `crate::statistics`.
+    stats_reset_analyses: Family<TableLabel, Counter>,
     /// What `/healthz` reports.
     pub heartbeat: Heartbeat,
 }
@@ -190,6 +201,15 @@ impl Metrics {
             "Reconciliation items no person has resolved yet (inbox-worker reconciliation lists them)",
             reconciliation_items_open.clone(),
         );
+        let stats_reset_analyses = Family::<TableLabel, Counter>::default();
+        registry.register(
+            "inbox_worker_stats_reset_analyses",
+            "ANALYZEs this worker ran on webhook_inbox, webhook_inbox_queue or outbox because PostgreSQL had lost their statistics (crash recovery, a promoted replica, pg_stat_reset): autovacuum would otherwise not see the dead tuples made before",
+            stats_reset_analyses.clone(),
+        );
+        for table in ANALYSED_TABLES {
+            let _ = stats_reset_analyses.get_or_create(&TableLabel { table: table.to_owned() });
+        }
         Metrics {
             registry: Arc::new(registry),
             events,
@@ -203,6 +223,7 @@ impl Metrics {
             no_handler,
             oldest_unprocessed_age_seconds,
             reconciliation_items_open,
+            stats_reset_analyses,
             heartbeat: Heartbeat::new(),
         }
     }
@@ -210,6 +231,11 @@ impl Metrics {
     /// Counts `n` events that ended with `outcome`.
     pub fn events(&self, outcome: EventOutcome, n: u64) {
         self.events.get_or_create(&OutcomeLabel { outcome: outcome.as_str() }).inc_by(n);
+    }
+
+    /// Counts one analyse of `table` after a statistics reset.
+    pub fn count_stats_reset_analysis(&self, table: &str) {
+        self.stats_reset_analyses.get_or_create(&TableLabel { table: table.to_owned() }).inc();
     }
 
     pub fn render(&self) -> String {

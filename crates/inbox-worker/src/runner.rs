@@ -139,9 +139,10 @@ where
     let pool = build_pool(
         &settings.database,
         &PoolOptions {
-            // One per process transaction in flight, plus the claims and the gauges. A batch's
-            // failures are recorded on its own connection when it is clean, else on a fresh one
-            // in its place. (The wake-up listener has a connection of its own.)
+            // One per process transaction in flight, plus the claims and the gauges (which the
+            // statistics check shares: a few milliseconds every 30 s). A batch's failures are
+            // recorded on its own connection when it is clean, else on a fresh one in its place.
+            // (The wake-up listener has a connection of its own.)
             max_size: settings.capacity.transactions + 2,
             timeout: db_timeout,
             application_name: "inbox-worker",
@@ -190,6 +191,15 @@ where
             background.clone(),
         ));
     }
+    // At start and then periodically, metrics served or not: the queue tables analysed again
+    // after PostgreSQL lost its statistics (a crash restart), so that autovacuum sees their dead
+    // tuples.
+    tokio::spawn(crate::statistics::run(
+        pool.clone(),
+        settings.database.clone(),
+        metrics.clone(),
+        background.clone(),
+    ));
     tokio::spawn(keep_registered(
         pool.clone(),
         worker_id.clone(),

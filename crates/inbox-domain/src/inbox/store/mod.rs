@@ -18,6 +18,8 @@
 //!   (audited), and the count of open ones each worker exports;
 //! * [`console`]: what the operator console reads besides the above — the queue's split, the
 //!   throughput and latency charts, the parked rows filtered and paged, one event, the audit log.
+//! * [`maintenance`]: what the queue tables need after PostgreSQL lost its statistics (a crash
+//!   restart): the workers' check that analyses `webhook_inbox` and `outbox` again.
 //!
 //! # The states of a row
 //! Every unprocessed row is in exactly one of these:
@@ -178,6 +180,7 @@ pub mod console;
 pub mod fetch;
 pub mod gauges;
 pub mod ingest;
+pub mod maintenance;
 pub mod outbox;
 pub mod queue;
 pub mod reconcile;
