@@ -74,6 +74,13 @@ ALTER TABLE public.queue_gauges OWNER TO inbox_owner;
 ALTER TABLE public.inbox_workers OWNER TO inbox_owner;
 ALTER TABLE public.reconcile_runs OWNER TO inbox_owner;
 ALTER TABLE public.stripe_object_snapshots OWNER TO inbox_owner;
+ALTER TABLE public.webhook_inbox_queue OWNER TO inbox_owner;
+-- V17's triggers keep webhook_inbox_queue for every writer of webhook_inbox: SECURITY DEFINER, so
+-- they write the queue as its owner, whoever wrote the row.
+ALTER FUNCTION public.webhook_inbox_queue_enter() OWNER TO inbox_owner;
+ALTER FUNCTION public.webhook_inbox_queue_follow() OWNER TO inbox_owner;
+ALTER FUNCTION public.webhook_inbox_queue_leave() OWNER TO inbox_owner;
+ALTER FUNCTION public.webhook_inbox_queue_clear() OWNER TO inbox_owner;
 -- V16's SECURITY DEFINER function, which analyses webhook_inbox, webhook_inbox_queue and outbox for the workers after
 -- PostgreSQL lost its statistics (a crash restart): it runs as its owner, so it is the tables'.
 ALTER FUNCTION public.inbox_analyze_after_stats_reset() OWNER TO inbox_owner;
@@ -119,6 +126,8 @@ REVOKE UPDATE ON public.webhook_inbox FROM inbox_worker, inbox_operator;
 -- inbox_worker: claim, lock, mark, record failures and hand back (UPDATE … RETURNING reads), and
 -- the invoice handlers' tables. It never inserts or deletes inbox rows.
 GRANT SELECT ON public.webhook_inbox TO inbox_worker;
+-- The queue (V17), which the claim and the gauges read; only its triggers write it.
+GRANT SELECT ON public.webhook_inbox_queue TO inbox_worker, inbox_operator, inbox_metrics;
 GRANT UPDATE (attempts, interruptions, available_at, parked_at, held, last_error, processed_at)
       ON public.webhook_inbox TO inbox_worker;
 GRANT SELECT, INSERT, UPDATE ON public.invoices TO inbox_worker;

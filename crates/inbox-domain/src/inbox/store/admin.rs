@@ -174,18 +174,17 @@ pub async fn stats(client: &(impl GenericClient + Sync)) -> Result<Stats, tokio_
 }
 
 /// The gauges the worker exports, cheap enough for every few seconds: it reads only unprocessed
-/// rows, each half through its partial index (`webhook_inbox_queue_by_type` grouped by type,
-/// `webhook_inbox_parked`), never the processed history. All providers, as the claim. The rows in
-/// the queue are counted per type first, so that whether a live worker claims a type is asked
-/// once per type, not once per row: `ready` counts the ready rows some live worker claims (what
-/// more workers would take now), `no_handler` the rows in the queue no live worker claims.
+/// rows — the queue table (see the store's "The queue table") grouped by type, and the parked rows
+/// through `webhook_inbox_parked` —, never the processed history. All providers, as the claim. The
+/// rows in the queue are counted per type first, so that whether a live worker claims a type is
+/// asked once per type, not once per row: `ready` counts the ready rows some live worker claims
+/// (what more workers would take now), `no_handler` the rows in the queue no live worker claims.
 pub const QUEUE_GAUGES_SQL: &str = concat!(
     "\
 WITH queue AS (
     SELECT event_type, count(*) AS rows, count(*) FILTER (WHERE available_at <= now()) AS ready,
            min(received_at) AS oldest
-      FROM webhook_inbox
-     WHERE processed_at IS NULL AND parked_at IS NULL
+      FROM webhook_inbox_queue
      GROUP BY event_type
 ), typed AS (
     SELECT q.*, ",
@@ -209,12 +208,12 @@ SELECT (SELECT COALESCE(sum(rows), 0) FROM typed)::int8 + parked.rows AS unproce
 );
 
 /// What KEDA scales the workers on (`deploy/k8s/base/worker-scaledobject.yaml`, on one line): the
-/// `ready` of [`QUEUE_GAUGES_SQL`] — ready rows a live worker claims. Rows of types no worker
-/// handles are left out: more workers of the same binaries would not take them either.
+/// `ready` of [`QUEUE_GAUGES_SQL`] — ready rows a live worker claims, read from the queue table.
+/// Rows of types no worker handles are left out: more workers of the same binaries would not take
+/// them either.
 pub const KEDA_READY_SQL: &str = concat!(
-    "SELECT COALESCE(sum(n), 0)::int8 FROM (SELECT event_type, count(*) AS n FROM webhook_inbox WHERE ",
-    ready!(),
-    " GROUP BY event_type) AS q WHERE ",
+    "SELECT COALESCE(sum(n), 0)::int8 FROM (SELECT event_type, count(*) AS n FROM webhook_inbox_queue ",
+    "WHERE available_at <= now() GROUP BY event_type) AS q WHERE ",
     claimed_by_a_live_worker!("q.event_type")
 );
 

@@ -35,9 +35,20 @@
 //!
 //! The ready and parked conditions are written once, as the macros below, and spliced into every
 //! statement that needs them (the claim, the statistics, the gauges, the operator commands). The
-//! KEDA scaler's query in `deploy/k8s` is the `ready!` count too; a test holds it to this text.
-//! Each is also the predicate of its partial index (`webhook_inbox_queue_by_type` holds the rows
-//! that are not parked, by event type and availability; `webhook_inbox_parked` the parked ones).
+//! KEDA scaler's query in `deploy/k8s` is the gauges' count of ready rows; a test holds it to
+//! the text of [`admin::KEDA_READY_SQL`].
+//!
+//! # The queue table
+//! The rows that are neither processed nor parked — ready, leased or waiting for a retry — are
+//! also in `webhook_inbox_queue` (V17): key, event type, `available_at` and `received_at`, indexed
+//! by event type and availability (`webhook_inbox_queue_by_type`). Triggers on `webhook_inbox`
+//! keep it (a row enters when stored, follows its `available_at`, leaves when processed, parked or
+//! deleted), so every writer — these statements, a team's SQL, a row inserted by hand — keeps it
+//! right without naming it. The claim and the gauges read it; everything else reads
+//! `webhook_inbox` as before. It exists so that no index of `webhook_inbox` names a column the
+//! claim or the processed mark writes: both are HOT updates, in place on their page, with no new
+//! index entry (docs/performance.md, "A claim HOT can serve"). The parked rows have their partial
+//! index on `webhook_inbox` (`webhook_inbox_parked`, `WHERE parked_at IS NOT NULL`).
 //!
 //! # Plans
 //! The statements the worker runs on the queue ([`queue`]) are sent unnamed (`query_typed`), so
@@ -55,11 +66,15 @@ use tokio_postgres::types::{ToSql, Type};
 
 // The two conditions, defined before the submodules so that their statements can splice them.
 
-/// The condition of a *ready* row: unprocessed, not parked, available now. A string literal, for
+/// The condition of a *ready* row: unprocessed, not parked, available now; its columns prefixed
+/// with `$p` (`"w."`) where a statement reads two tables that have them. A string literal, for
 /// `concat!`.
 macro_rules! ready {
     () => {
-        "processed_at IS NULL AND parked_at IS NULL AND available_at <= now()"
+        ready!("")
+    };
+    ($p:literal) => {
+        concat!($p, "processed_at IS NULL AND ", $p, "parked_at IS NULL AND ", $p, "available_at <= now()")
     };
 }
 
@@ -256,12 +271,32 @@ pub(crate) async fn query_in_own_transaction(
     sql: &str,
     params: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    query_in_own_transaction_with(client, timeout, "", sql, params).await
+}
+
+/// [`query_in_own_transaction`], with `setup` (statements without parameters, e.g. planner
+/// settings local to the transaction; empty for none) run after the limits, in the same write.
+pub(crate) async fn query_in_own_transaction_with(
+    client: &tokio_postgres::Client,
+    timeout: Duration,
+    setup: &str,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
     let millis = format!("{}ms", timeout.as_millis().max(1));
     let limits: [(&(dyn ToSql + Sync), Type); 3] =
         [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
-    let (_, _, rows, commit) = tokio::join!(
+    let setup = async {
+        if setup.is_empty() {
+            Ok(())
+        } else {
+            client.batch_execute(setup).await
+        }
+    };
+    let (_, _, _, rows, commit) = tokio::join!(
         client.batch_execute("BEGIN"),
         client.query_typed(SET_LIMITS_SQL, &limits),
+        setup,
         client.query_typed(sql, params),
         client.batch_execute("COMMIT"),
     );

@@ -32,19 +32,25 @@ pub struct Claimed {
 }
 
 /// The oldest ready rows of one event type, `t.event_type`, at most `$2`, locked (SKIP LOCKED): an
-/// ordered scan of `webhook_inbox_queue_by_type` from the type's first ready row, reading nothing
-/// of the other types. A string literal, for `concat!`.
+/// ordered scan of `webhook_inbox_queue_by_type` (on the queue table, see the store's "The queue
+/// table") from the type's first ready row, reading nothing of the other types, each row found in
+/// `webhook_inbox` by its key and locked there. The queue's row and the inbox's are written in
+/// the same transactions, so the versions this statement sees agree, and the inbox's columns are
+/// not asked again here: a condition on them would be estimated on the whole table's statistics
+/// (`processed_at IS NULL` on a table of processed rows), and the planner would then expect to
+/// read the whole queue for `$2` rows and sort it. The updates check the rows they change (see
+/// [`CLAIM_SQL`]). A string literal, for `concat!`.
 macro_rules! ready_rows_of_type {
     () => {
         concat!(
-            "SELECT ctid, attempts, available_at,
-                          COALESCE(payload_bytes, octet_length(payload::text)) AS bytes,
-                          payload IS NULL AS unreadable
-                     FROM webhook_inbox AS w
-                    WHERE w.event_type COLLATE \"C\" = t.event_type AND ",
-            ready!(),
-            "
-                    ORDER BY w.available_at
+            "SELECT w.ctid, w.attempts, w.available_at,
+                          COALESCE(w.payload_bytes, octet_length(w.payload::text)) AS bytes,
+                          w.payload IS NULL AS unreadable
+                     FROM webhook_inbox_queue AS q
+                     JOIN webhook_inbox AS w
+                          ON (w.provider, w.endpoint, w.event_id) = (q.provider, q.endpoint, q.event_id)
+                    WHERE q.event_type COLLATE \"C\" = t.event_type AND q.available_at <= now()
+                    ORDER BY q.available_at
                     LIMIT $2
                       FOR UPDATE OF w SKIP LOCKED"
         )
@@ -55,7 +61,8 @@ macro_rules! ready_rows_of_type {
 /// the lease, the park. A string literal, for `concat!`.
 macro_rules! claim_after_candidates {
     () => {
-        "), picked AS (
+        concat!(
+            "), picked AS (
     SELECT ctid, attempts, bytes, unreadable
       FROM (SELECT ctid, attempts, bytes, unreadable,
                    sum(bytes) OVER (ORDER BY available_at, ctid ROWS UNBOUNDED PRECEDING) - bytes AS before
@@ -66,7 +73,9 @@ macro_rules! claim_after_candidates {
        SET attempts = w.attempts + 1,
            available_at = now() + make_interval(secs => $3)
       FROM picked
-     WHERE w.ctid = picked.ctid AND picked.attempts < $1 AND NOT picked.unreadable
+     WHERE w.ctid = picked.ctid AND picked.attempts < $1 AND NOT picked.unreadable AND ",
+    ready!("w."),
+    "
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
               w.ctid::text AS ctid, picked.bytes::int8 AS bytes, false AS parked, w.available_at
 ), exhausted AS (
@@ -84,13 +93,16 @@ macro_rules! claim_after_candidates {
                          || COALESCE('; the attempt before: ' || w.last_error, ''), 1024)
            END
       FROM picked
-     WHERE w.ctid = picked.ctid AND (picked.attempts >= $1 OR picked.unreadable)
+     WHERE w.ctid = picked.ctid AND (picked.attempts >= $1 OR picked.unreadable) AND ",
+    ready!("w."),
+    "
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
               w.ctid::text AS ctid, picked.bytes::int8 AS bytes, true AS parked, w.available_at
 )
 SELECT * FROM claimed
 UNION ALL
 SELECT * FROM exhausted"
+        )
     };
 }
 
@@ -113,7 +125,8 @@ SELECT * FROM exhausted"
 /// `unstorable` again, not claimed.
 ///
 /// Oldest availability first, over every type: the types with ready rows are found by a skip
-/// scan of `webhook_inbox_queue_by_type` (one probe per type: the next type after the last), and
+/// scan of the queue table's `webhook_inbox_queue_by_type` (one probe per type: the next type
+/// after the last), and
 /// for each the oldest ready rows are read in order and locked, skipping rows other workers hold
 /// ([`ready_rows_of_type!`]); of those, the oldest `$2`. The updates find the locked rows by
 /// `ctid` (a TID scan) instead of a second primary-key lookup per row: a locked row cannot move. A
@@ -122,23 +135,24 @@ SELECT * FROM exhausted"
 /// stays ready. Candidates not picked (over the budget, or newer than the oldest `$2` of all
 /// types) were locked only for the statement's short transaction. Returns the claimed rows
 /// (`parked` false) and the rows it parked (`parked` true), each with its size.
+///
+/// The updates write no column an index of `webhook_inbox` names, so each is a HOT update (in
+/// place on the row's page, no new index entry) when the page has room; the trigger on
+/// `available_at` (or `parked_at`) moves the row's entry in the queue table in the same
+/// transaction.
 pub const CLAIM_SQL: &str = concat!(
     "\
 WITH RECURSIVE ready_types(event_type) AS (
-    (SELECT w.event_type COLLATE \"C\"
-       FROM webhook_inbox AS w
-      WHERE ",
-    ready!(),
-    "
-      ORDER BY w.event_type COLLATE \"C\"
+    (SELECT q.event_type COLLATE \"C\"
+       FROM webhook_inbox_queue AS q
+      WHERE q.available_at <= now()
+      ORDER BY q.event_type COLLATE \"C\"
       LIMIT 1)
     UNION ALL
-    SELECT (SELECT w.event_type COLLATE \"C\"
-              FROM webhook_inbox AS w
-             WHERE w.event_type COLLATE \"C\" > r.event_type AND ",
-    ready!(),
-    "
-             ORDER BY w.event_type COLLATE \"C\"
+    SELECT (SELECT q.event_type COLLATE \"C\"
+              FROM webhook_inbox_queue AS q
+             WHERE q.event_type COLLATE \"C\" > r.event_type AND q.available_at <= now()
+             ORDER BY q.event_type COLLATE \"C\"
              LIMIT 1)
       FROM ready_types AS r
      WHERE r.event_type IS NOT NULL
@@ -176,14 +190,14 @@ WITH candidates AS (
             SELECT c.*
               FROM unnest($6::text[], $7::text[]) AS p(low, high)
              CROSS JOIN LATERAL (
-                   SELECT ctid, attempts, available_at,
-                          COALESCE(payload_bytes, octet_length(payload::text)) AS bytes,
-                          payload IS NULL AS unreadable
-                     FROM webhook_inbox AS w
-                    WHERE w.event_type COLLATE \"C\" >= p.low AND w.event_type COLLATE \"C\" < p.high
-                      AND ",
-    ready!(),
-    "
+                   SELECT w.ctid, w.attempts, w.available_at,
+                          COALESCE(w.payload_bytes, octet_length(w.payload::text)) AS bytes,
+                          w.payload IS NULL AS unreadable
+                     FROM webhook_inbox_queue AS q
+                     JOIN webhook_inbox AS w
+                          ON (w.provider, w.endpoint, w.event_id) = (q.provider, q.endpoint, q.event_id)
+                    WHERE q.event_type COLLATE \"C\" >= p.low AND q.event_type COLLATE \"C\" < p.high
+                      AND q.available_at <= now()
                     LIMIT $2
                       FOR UPDATE OF w SKIP LOCKED) AS c) AS c
      ORDER BY available_at
@@ -191,6 +205,16 @@ WITH candidates AS (
 ",
     claim_after_candidates!()
 );
+
+/// What the claim's transaction sets before the claim: no bitmap scans. The claim reads each
+/// type's ready rows from the queue table in index order and stops after `$2` of them; that is
+/// what the planner picks when the queue table's statistics know its size. Right after a burst,
+/// before autovacuum analysed the grown table (up to a minute), the planner estimates a type's
+/// rows with its defaults — a few dozen, for twenty thousand — and prefers a bitmap scan of all
+/// of them, a primary-key probe of the inbox for each, and a sort: every claim would read the
+/// whole queue. Without bitmap scans the ordered index scan is the cheapest plan whatever the
+/// estimate. Local to the transaction (`SET LOCAL`): nothing else the connection runs is affected.
+pub const CLAIM_PLANNER_SQL: &str = "SET LOCAL enable_bitmapscan = off";
 
 /// What a claim came to: the rows this worker now holds, and those it parked instead.
 #[derive(Debug, Clone, Default)]
@@ -237,7 +261,7 @@ pub async fn claim(
         CLAIM_TYPED_SQL
     };
     // On a failed COMMIT the caller discards the connection; leases that did commit expire.
-    let rows = super::query_in_own_transaction(client, timeout, sql, &params).await?;
+    let rows = super::query_in_own_transaction_with(client, timeout, CLAIM_PLANNER_SQL, sql, &params).await?;
     let mut claim = Claim::default();
     for r in &rows {
         let row = Claimed {
@@ -352,7 +376,8 @@ pub async fn lock_by_key(
 /// or not at all (the worker's, and an operator's replay). `$1`: the rows' `ctid`s (text) as a
 /// lock statement returned them in this same transaction — the rows are locked since, so they
 /// are still there (a TID scan instead of a primary-key lookup per row). `processed_at = now()`
-/// also restarts a replayed row's retention.
+/// also restarts a replayed row's retention. A HOT update (no index of `webhook_inbox` names
+/// `processed_at` or `last_error`); the row's trigger removes it from the queue table.
 pub const MARK_PROCESSED_SQL: &str = "\
 UPDATE webhook_inbox
    SET processed_at = now(), last_error = NULL
