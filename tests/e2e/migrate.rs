@@ -39,7 +39,8 @@ async fn migrate_applies_the_schema_once_even_when_two_run_at_once() {
         .await
         .unwrap()
         .get(0);
-    assert!(options.iter().any(|o| o == "fillfactor=50"), "{options:?}");
+    assert!(options.iter().any(|o| o == "fillfactor=30"), "{options:?}");
+    assert!(options.iter().any(|o| o == "toast_tuple_target=256"), "{options:?}");
 
     let (code, output) = run(migrate(&db.url()), Duration::from_secs(60));
     assert_eq!(code, 0, "{output}");
