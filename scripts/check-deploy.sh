@@ -379,7 +379,7 @@ def secret_names(spec):
 # base manifest to it too).
 # The ready rows a live worker claims: store::admin::KEDA_READY_SQL (a unit test there keeps the base
 # manifest equal to it; this keeps every overlay equal too).
-expected_worker_query = ("SELECT COALESCE(sum(n), 0)::int8 FROM (SELECT event_type, count(*) AS n FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL AND available_at <= now() GROUP BY event_type) AS q WHERE (NOT EXISTS (SELECT 1 FROM inbox_workers WHERE seen_at > now() - interval '1 minute') OR EXISTS (SELECT 1 FROM inbox_workers AS k WHERE k.seen_at > now() - interval '1 minute' AND (k.claims_all OR q.event_type = ANY (k.claims_exact) OR EXISTS (SELECT 1 FROM unnest(k.claims_prefix) AS prefix WHERE starts_with(q.event_type, prefix)))))")
+expected_worker_query = ("SELECT COALESCE(sum(n), 0)::int8 FROM (SELECT event_type, count(*) AS n FROM webhook_inbox_queue WHERE available_at <= now() GROUP BY event_type) AS q WHERE (NOT EXISTS (SELECT 1 FROM inbox_workers WHERE seen_at > now() - interval '1 minute') OR EXISTS (SELECT 1 FROM inbox_workers AS k WHERE k.seen_at > now() - interval '1 minute' AND (k.claims_all OR q.event_type = ANY (k.claims_exact) OR EXISTS (SELECT 1 FROM unnest(k.claims_prefix) AS prefix WHERE starts_with(q.event_type, prefix)))))")
 # The ready outbox rows: pending (not published, not parked) and available now; what the relay's
 # claim reads through the partial index outbox_ready (migrations/V12__outbox_relay.sql).
 expected_relay_query = ("SELECT count(*) FROM outbox WHERE published_at IS NULL AND parked_at IS NULL "

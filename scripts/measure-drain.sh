@@ -33,7 +33,7 @@ done
 # Wait inside one session: Debian's psql is a Perl wrapper, and starting it every 50 ms took ~20% of
 # a core from the drain being measured.
 psql -qAt "$url" -c "DO \$\$ BEGIN
-    WHILE EXISTS (SELECT 1 FROM webhook_inbox WHERE processed_at IS NULL) LOOP PERFORM pg_sleep(0.05); END LOOP;
+    WHILE EXISTS (SELECT 1 FROM webhook_inbox_queue) LOOP PERFORM pg_sleep(0.05); END LOOP;
 END \$\$" >/dev/null
 end=$(date +%s.%N)
 sleep 0.6 # let pg_stat_database catch up

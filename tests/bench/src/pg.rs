@@ -497,7 +497,11 @@ pub async fn wait_drained(
     let mut polls = 0;
     loop {
         let rows =
-            simple_rows(client, "SELECT EXISTS (SELECT 1 FROM webhook_inbox WHERE processed_at IS NULL)")
+            simple_rows(
+                client,
+                "SELECT EXISTS (SELECT 1 FROM webhook_inbox_queue)
+                     OR EXISTS (SELECT 1 FROM webhook_inbox WHERE parked_at IS NOT NULL AND processed_at IS NULL)",
+            )
                 .await?;
         polls += 1;
         if rows[0][0] == "f" {
@@ -506,8 +510,7 @@ pub async fn wait_drained(
         alive()?;
         if last_progress.elapsed() >= Duration::from_secs(15) {
             last_progress = std::time::Instant::now();
-            let left =
-                simple_rows(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await?;
+            let left = simple_rows(client, "SELECT count(*) FROM webhook_inbox_queue").await?;
             polls += 1;
             progress(left[0][0].parse().unwrap_or(-1));
         }

@@ -26,17 +26,19 @@ macro_rules! utc_text {
 /// unprocessed, ready, parked, no_handler and the oldest age) do not split out: the rows in the
 /// queue but not available now — *leased* (no failure recorded) and *retry_wait* (after a failure),
 /// as `stats` splits them — and the parked rows the ingest held on arrival, per reason. All
-/// providers, as the gauges. Reads only unprocessed rows: the first count the partial index
-/// `webhook_inbox_queue_by_type` (the queue), the second the partial index `webhook_inbox_parked`;
-/// never the processed history.
+/// providers, as the gauges. Reads only unprocessed rows: the first count the queue table (the
+/// rows not available now, each one's `last_error` read from its inbox row by key), the second the
+/// partial index `webhook_inbox_parked`; never the processed history.
 pub const QUEUE_SPLIT_SQL: &str = concat!(
     "\
 SELECT q.leased, q.retry_wait, p.held, p.held_unstorable, p.held_livemode
-  FROM (SELECT count(*) FILTER (WHERE last_error IS NULL) AS leased,
-               count(*) FILTER (WHERE last_error IS NOT NULL) AS retry_wait
-          FROM webhook_inbox
-         WHERE ",
-    waiting!(),
+  FROM (SELECT count(*) FILTER (WHERE w.last_error IS NULL) AS leased,
+               count(*) FILTER (WHERE w.last_error IS NOT NULL) AS retry_wait
+          FROM webhook_inbox_queue AS q
+          JOIN webhook_inbox AS w
+               ON (w.provider, w.endpoint, w.event_id) = (q.provider, q.endpoint, q.event_id)
+         WHERE q.available_at > now() AND ",
+    waiting!("w."),
     ") AS q,
        (SELECT count(*) FILTER (WHERE held IS NOT NULL) AS held,
                count(*) FILTER (WHERE held = 'unstorable') AS held_unstorable,

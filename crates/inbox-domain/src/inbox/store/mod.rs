@@ -19,7 +19,7 @@
 //! * [`console`]: what the operator console reads besides the above — the queue's split, the
 //!   throughput and latency charts, the parked rows filtered and paged, one event, the audit log.
 //! * [`maintenance`]: what the queue tables need after PostgreSQL lost its statistics (a crash
-//!   restart): the workers' check that analyses `webhook_inbox` and `outbox` again.
+//!   restart): the workers' check that analyses `webhook_inbox`, its queue and `outbox` again.
 //!
 //! # The states of a row
 //! Every unprocessed row is in exactly one of these:
@@ -78,10 +78,14 @@ macro_rules! ready {
     };
 }
 
-/// The condition of a row in the queue but not available now (*leased* or *retry_wait*).
+/// The condition of a row in the queue but not available now (*leased* or *retry_wait*); columns
+/// prefixed with `$p` as in [`ready!`].
 macro_rules! waiting {
     () => {
-        "processed_at IS NULL AND parked_at IS NULL AND available_at > now()"
+        waiting!("")
+    };
+    ($p:literal) => {
+        concat!($p, "processed_at IS NULL AND ", $p, "parked_at IS NULL AND ", $p, "available_at > now()")
     };
 }
 
