@@ -52,6 +52,12 @@ bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); t
 	$(CARGO) build --release --bins $(PRODUCT) -p inbox-bench
 	$(WITH_DB) target/release/bench $(BENCH_ARGS)
 
+SOAK_ARGS ?=
+.PHONY: soak
+soak: ## Steady state, 30 min: ingest + worker + relay at half the ingest's rate, purge every 3 min, a 5-min snapshot mid-run; target/bench/soak/ and docs/performance/soak/ charts
+	$(CARGO) build --release --bins $(PRODUCT) -p inbox-bench
+	$(WITH_DB) target/release/bench --phases b,soak --connections 32 --soak-publish $(SOAK_ARGS)
+
 .PHONY: console-screenshots
 console-screenshots: build ## PNGs of every console page from a real run (headless Chromium; seeded data) into docs/console/
 	$(WITH_DB) env CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(CARGO) test -p inbox-tests --test e2e \

@@ -120,6 +120,7 @@ pub struct Metrics {
     pub processing_seconds: Histogram,
     pub receive_to_processed_seconds: Histogram,
     pub claim_batch_size: Histogram,
+    pub claim_seconds: Histogram,
     pub in_flight: Gauge,
     pub unprocessed: Gauge,
     pub ready: Gauge,
@@ -162,6 +163,12 @@ impl Metrics {
             "inbox_worker_claim_batch_size",
             "Rows returned by each claim",
             claim_batch_size.clone(),
+        );
+        let claim_seconds = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        registry.register(
+            "inbox_worker_claim_seconds",
+            "Time of each claim statement (the round trip that leases up to --batch-size rows), when it succeeded",
+            claim_seconds.clone(),
         );
         let in_flight = Gauge::default();
         registry.register(
@@ -216,6 +223,7 @@ impl Metrics {
             processing_seconds,
             receive_to_processed_seconds,
             claim_batch_size,
+            claim_seconds,
             in_flight,
             unprocessed,
             ready,

@@ -288,6 +288,7 @@ fn report_task_end(done: Result<(), tokio::task::JoinError>) {
 async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String> {
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
+        let started = Instant::now();
         let rows = queue::claim(
             conn.client(),
             &ctx.claims,
@@ -299,6 +300,7 @@ async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String>
         )
         .await
         .map_err(|e| describe_db_error(&e))?;
+        ctx.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
         conn.set_clean(true);
         Ok(rows)
     };

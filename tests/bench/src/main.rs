@@ -1,7 +1,7 @@
 //! `make bench`: the throughput and latency of stripe-inbox as ratios to what this PostgreSQL
 //! can commit, all measured in one run on one server.
 //!
-//! Phases (`--phases`, default all):
+//! Phases (`--phases`, default all but soak):
 //!   a      the limit: `pgbench -M prepared` running the ingest's INSERT … ON CONFLICT DO NOTHING
 //!          with the same ~2 KB body, at each `--connections` client count;
 //!   b      ingest: pre-signed unique `invoice.paid` webhooks over N keep-alive connections
@@ -21,6 +21,14 @@
 //!          highest of the samples taken during the drain) against the worker pod's 256 MiB
 //!          memory limit;
 //!   scale  the drain again with `--scale-rows` processed rows in the table; claim EXPLAINs;
+//!   soak   not in the default list (`make soak`: `--phases b,soak`): 1 ingest, 1 worker and 1
+//!          relay (to an HTTP receiver), worker and relay with no tuning flags, fed open loop at
+//!          `--soak-rate` (default: half of (b)'s 32-connection rate) for `--soak-duration`, with
+//!          `inbox-worker purge` at its shortest retention every `--soak-purge-every` and a
+//!          REPEATABLE READ snapshot held `--soak-snapshot` from the middle; a sample every
+//!          `--soak-sample` (receive→processed p50/p99, claim latency, table/TOAST/index sizes,
+//!          dead tuples, HOT share, WAL, commits and dead index entries per event, RSS and CPU per
+//!          event of each process) into <out>/soak/samples.csv, samples.json and SVG charts;
 //!   console  the operator console with `--console-parked` parked rows (and `--console-history`
 //!          processed in the last 6 hours): median and p95 of `--console-requests` GETs each of the
 //!          needs-review list, a filtered page of it and the overview, signed in (target: p95 under
@@ -47,6 +55,8 @@ mod pgbench;
 mod relay;
 mod report;
 mod services;
+mod soak;
+mod svg;
 mod util;
 
 use std::collections::BTreeMap;
@@ -69,6 +79,7 @@ pub enum Phase {
     Mem,
     Scale,
     Console,
+    Soak,
 }
 
 /// Benchmark of stripe-inbox against the commit rate of its PostgreSQL (see `make bench`).
@@ -145,6 +156,24 @@ pub struct Args {
     /// the ingest's NOTIFY].
     #[arg(long)]
     e2e_poll_interval: Option<String>,
+    /// How long the soak phase sends its load.
+    #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
+    soak_duration: Duration,
+    /// The soak phase's sampling interval (one row of samples.csv, one point of each chart).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    soak_sample: Duration,
+    /// How often the soak phase runs `inbox-worker purge` (at the shortest retention it allows).
+    #[arg(long, default_value = "3m", value_parser = humantime::parse_duration)]
+    soak_purge_every: Duration,
+    /// How long the soak phase holds a REPEATABLE READ transaction open, from the middle of the run.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    soak_snapshot: Duration,
+    /// Webhooks/s of the soak phase [default: half of (b)'s rate at 32 connections].
+    #[arg(long)]
+    soak_rate: Option<f64>,
+    /// Also copy the soak phase's SVG charts to docs/performance/soak/.
+    #[arg(long)]
+    soak_publish: bool,
     /// An extra argument for every `inbox-ingest` the bench starts (repeatable), to measure an
     /// option beside the defaults, e.g. `--ingest-arg=--keep-raw`.
     #[arg(long, allow_hyphen_values = true)]
@@ -353,15 +382,20 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
         out.insert("relay".into(), serde_json::Value::Object(relays));
     }
 
-    if want(Phase::D) {
+    // Half of (b)'s rate at 32 connections, unless given.
+    let half_b = |given: Option<f64>, flag: &str| {
         let b32 = ingest.get(&32).or_else(|| ingest.values().next());
-        let (rate, source) = match (ctx.args.e2e_rate, b32) {
-            (Some(r), _) => (r, "--e2e-rate".to_owned()),
+        match (given, b32) {
+            (Some(r), _) => (r, flag.to_owned()),
             (None, Some(b)) => {
                 (b["req_per_s"].as_f64().unwrap_or(600.0) / 2.0, format!("half of b{}", b["connections"]))
             }
             (None, None) => (300.0, "no (b) result: default 300/s".to_owned()),
-        };
+        }
+    };
+
+    if want(Phase::D) {
+        let (rate, source) = half_b(ctx.args.e2e_rate, "--e2e-rate");
         match e2e::run(ctx, rate.max(1.0), &source).await {
             Ok(v) => {
                 out.insert("e2e".into(), v);
@@ -403,6 +437,16 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
                 out.insert("console".into(), v);
             }
             Err(e) => note_err("console".into(), e, ctx),
+        }
+    }
+
+    if want(Phase::Soak) {
+        let (rate, source) = half_b(ctx.args.soak_rate, "--soak-rate");
+        match soak::run(ctx, rate.max(1.0), &source).await {
+            Ok(v) => {
+                out.insert("soak".into(), v);
+            }
+            Err(e) => note_err("soak".into(), e, ctx),
         }
     }
 
@@ -483,6 +527,12 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "e2e_rate": a.e2e_rate,
         "e2e_connections": a.e2e_connections,
         "e2e_poll_interval": a.e2e_poll_interval,
+        "soak_duration_s": a.soak_duration.as_secs_f64(),
+        "soak_sample_s": a.soak_sample.as_secs_f64(),
+        "soak_purge_every_s": a.soak_purge_every.as_secs_f64(),
+        "soak_snapshot_s": a.soak_snapshot.as_secs_f64(),
+        "soak_rate": a.soak_rate,
+        "soak_publish": a.soak_publish,
         "pgbench_threads": a.pgbench_threads,
         "loadgen_threads": a.loadgen_threads,
         "body_bytes": payload::invoice_paid_template()

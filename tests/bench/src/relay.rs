@@ -35,6 +35,15 @@ impl Destination {
     }
 }
 
+/// The relay's flags that deliver to `receiver` (an HTTP receiver in this process); it needs
+/// [`HTTP_ENV`] too.
+pub fn http_args(receiver: &inbox_test_support::receiver::Counter) -> Vec<String> {
+    vec!["--to-url".to_owned(), receiver.url.clone()]
+}
+
+/// The environment of a relay delivering over HTTP: the Standard Webhooks signing secret.
+pub const HTTP_ENV: &[(&str, &str)] = &[("INBOX_RELAY_SECRET", SECRET)];
+
 pub async fn run(ctx: &Ctx, destination: Destination) -> anyhow::Result<serde_json::Value> {
     let db = ctx.server.create_db(&format!("relay{}", destination.name())).await?;
     let result = deliver(ctx, destination, &db).await;
@@ -68,7 +77,7 @@ async fn deliver(ctx: &Ctx, destination: Destination, db: &pg::BenchDb) -> anyho
     let args: Vec<String> = match destination {
         Destination::Http => {
             let r = inbox_test_support::receiver::Counter::start().await;
-            let args = vec!["--to-url".to_owned(), r.url.clone()];
+            let args = http_args(&r);
             receiver = Some(r);
             args
         }
@@ -92,8 +101,7 @@ async fn deliver(ctx: &Ctx, destination: Destination, db: &pg::BenchDb) -> anyho
     let mut argv: Vec<&str> = args.iter().map(String::as_str).collect();
     argv.extend(ctx.args.relay_args.split_whitespace());
     let defaults = ctx.args.relay_args.trim().is_empty();
-    let env: &[(&str, &str)] =
-        if destination == Destination::Http { &[("INBOX_RELAY_SECRET", SECRET)] } else { &[] };
+    let env: &[(&str, &str)] = if destination == Destination::Http { HTTP_ENV } else { &[] };
     let mut relay = ctx.bins.start_relay(&db.url, &argv, env);
     let pids = [("relay", relay.child.id())];
     let cpu0 = CpuSample::take(ctx.server.postmaster, &pids);

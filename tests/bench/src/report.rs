@@ -393,6 +393,11 @@ impl Table {
             }
         }
 
+        let s = get("soak");
+        if s.is_object() {
+            soak_rows(&mut t, s);
+        }
+
         for (phase, err) in get("errors").as_object().into_iter().flatten() {
             let msg: String =
                 err.as_str().unwrap_or("").lines().next().unwrap_or("").chars().take(60).collect();
@@ -452,6 +457,163 @@ impl Table {
     pub fn any_missed(&self) -> bool {
         self.rows.iter().any(|r| r.ok == Some(false))
     }
+}
+
+/// The soak phase: steady state over a long run, with its targets.
+fn soak_rows(t: &mut Table, s: &Value) {
+    let ms = |v: &Value| f(v, 1);
+    let minutes = |v: &Value| f(&json!(v.as_f64().map(|x| x / 60.0)), 0);
+    t.add(
+        format!(
+            "soak  {} min at {}/s ({}), 1 ingest + 1 worker + 1 relay, default flags",
+            minutes(&s["duration_s"]),
+            f(&s["rate"], 0),
+            s["rate_source"].as_str().unwrap_or("?")
+        ),
+        format!("{} req/s sent", f(&s["achieved_rate"], 0)),
+    );
+    let sent = &s["sent"];
+    let row = t.add(
+        "     2xx / processed; non-2xx / unanswered; relay duplicates",
+        format!(
+            "{} / {}; {} / {}; {}",
+            sent["ok_2xx"], s["processed"], sent["non_2xx"], sent["errors"], s["relay_duplicates"]
+        ),
+    );
+    row.target = "equal; 0 / 0; 0".into();
+    row.ok = Some(
+        s["processed_matches_2xx"] == true
+            && sent["non_2xx"] == 0
+            && sent["errors"] == 0
+            && s["relay_duplicates"] == 0
+            && s["relay_distinct"] == s["processed"],
+    );
+    let r = &s["receive_to_processed"];
+    let window = match r["window_s"].as_f64() {
+        Some(w) if w < 120.0 => format!("{w:.0} s"),
+        _ => format!("{} min", minutes(&r["window_s"])),
+    };
+    t.add(
+        format!("     receive→processed p50 / p99, first {window}"),
+        format!("{} / {} ms", ms(&r["first"]["p50_ms"]), ms(&r["first"]["p99_ms"])),
+    );
+    let row = t.add(
+        format!("     receive→processed p50 / p99, last {window}"),
+        format!("{} / {} ms", ms(&r["last"]["p50_ms"]), ms(&r["last"]["p99_ms"])),
+    );
+    if let Some(ratio) = r["p99_last_over_first"].as_f64() {
+        row.ratio = Some((ratio, "first".into()));
+        row.target = "p99 ≤ 1.50 × first".into();
+        row.ok = Some(ratio <= 1.5);
+    }
+    t.add(
+        "     p99 overall; before / during / after the held snapshot",
+        format!(
+            "{}; {} / {} / {} ms",
+            ms(&r["overall"]["p99_ms"]),
+            ms(&r["before_snapshot_p99_ms"]),
+            ms(&r["during_snapshot_p99_ms"]),
+            ms(&r["after_snapshot_p99_ms"])
+        ),
+    );
+    let c = &s["claim_interval_p99_ms_max"];
+    t.add(
+        "     claim mean / p99; worst 10 s p99 before / during / after",
+        format!(
+            "{} / {}; {} / {} / {} ms",
+            f(&s["claims"]["mean_ms"], 2),
+            f(&s["claims"]["p99_ms"], 2),
+            f(&c["before_snapshot"], 1),
+            f(&c["during_snapshot"], 1),
+            f(&c["after_snapshot"], 1)
+        ),
+    );
+    // The inbox, its queue's table (schema version 17 on), the outbox: those the run had.
+    let tables = &s["tables"];
+    let names: Vec<&str> = ["webhook_inbox", "webhook_inbox_queue", "outbox"]
+        .into_iter()
+        .filter(|n| tables[*n].is_object())
+        .collect();
+    for table in &names {
+        let v = &s["sizes"][*table];
+        let parts = if *table == "webhook_inbox" { "heap+TOAST+indexes" } else { "heap+indexes" };
+        let row = t.add(
+            format!("     {table} {parts}: after 1st purge → end"),
+            format!("{} → {}", size(v["after_first_purge_bytes"].as_i64()), size(v["end_bytes"].as_i64())),
+        );
+        if let Some(ratio) = v["end_over_after_first_purge"].as_f64() {
+            row.ratio = Some((ratio, "1st purge".into()));
+            row.target = "≤ 1.20 (flat)".into();
+            row.ok = Some(ratio <= 1.2);
+        }
+    }
+    let short = |n: &str| match n {
+        "webhook_inbox" => "inbox".to_owned(),
+        "webhook_inbox_queue" => "queue".to_owned(),
+        other => other.to_owned(),
+    };
+    let which = names.iter().map(|n| short(n)).collect::<Vec<_>>().join(" / ");
+    let each = |key: &str, fmt: &dyn Fn(&Value) -> String| {
+        names.iter().map(|n| fmt(&tables[*n][key])).collect::<Vec<_>>().join(" / ")
+    };
+    t.add(format!("     max n_dead_tup: {which}"), each("max_dead_tuples", &|v| v.to_string()));
+    let hot = tables["webhook_inbox"]["hot_share"].as_f64();
+    let row = t.add(
+        format!("     HOT updates / updates over the run: {which}"),
+        each("hot_share", &|v| format!("{}%", f(&json!(v.as_f64().map(|x| x * 100.0)), 0))),
+    );
+    row.target = "webhook_inbox ≥ 90%".into();
+    row.ok = hot.map(|h| h >= 0.9);
+    let wal = s["wal_bytes_per_event"].as_f64();
+    let row = t.add("     WAL bytes / event (the whole cluster's WAL)", f(&s["wal_bytes_per_event"], 0));
+    row.target = "≤ 2048".into();
+    row.ok = wal.map(|w| w <= 2048.0);
+    t.add("     commits / event", f(&s["commits_per_event"], 2));
+    let d = &s["dead_index_entries_per_event"];
+    let row = t.add(
+        "     dead index entries / event (upper est.): updates + deletes",
+        format!("{} + {} = {}", f(&d["from_updates"], 2), f(&d["from_deletes"], 2), f(&d["total"], 2)),
+    );
+    row.target = "≤ 1".into();
+    row.ok = d["total"].as_f64().map(|v| v <= 1.0);
+    t.add(format!("     autovacuum runs: {which}"), each("autovacuum_runs", &|v| v.to_string()));
+    let cpu = &s["cpu"];
+    t.add(
+        "     CPU µs / event: ingest / worker / relay / postgres",
+        format!(
+            "{} / {} / {} / {}",
+            f(&cpu["ingest_cpu_us_per_unit"], 0),
+            f(&cpu["worker_cpu_us_per_unit"], 0),
+            f(&cpu["relay_cpu_us_per_unit"], 0),
+            f(&cpu["postgres_cpu_us_per_unit"], 0)
+        ),
+    );
+    let rss = &s["peak_rss_kib"];
+    let peak = |k: &str| rss[k].as_f64().map_or("?".into(), mib);
+    t.add(
+        "     peak RSS: ingest / worker / relay / bench; postgres RssAnon",
+        format!(
+            "{} / {} / {} / {}; {}",
+            peak("ingest"),
+            peak("worker"),
+            peak("relay"),
+            peak("bench"),
+            peak("postgres_private_max_sampled")
+        ),
+    );
+    let purges = s["purges"].as_array().cloned().unwrap_or_default();
+    let durations: Vec<String> = purges.iter().map(|p| f(&p["seconds"], 1)).collect();
+    let deleted: u64 = purges.iter().filter_map(|p| p["deleted"].as_u64()).sum();
+    let outbox: u64 = purges.iter().filter_map(|p| p["outbox_deleted"].as_u64()).sum();
+    let row = t.add(
+        format!(
+            "     purges (--older-than {}): s each; rows deleted",
+            s["purge_older_than"].as_str().unwrap_or("?")
+        ),
+        format!("{} s; {deleted} + {outbox} outbox", durations.join(", ")),
+    );
+    row.target = "no failure".into();
+    row.ok = Some(purges.iter().all(|p| p["error"].is_null()));
 }
 
 /// The peak RSS (VmHWM) of each binary over the phases that ran it.

@@ -32,7 +32,7 @@ impl Bins {
     }
 
     /// A command with a clean environment, JSON logs, warnings only.
-    fn command(&self, name: &str, database_url: &str) -> Command {
+    pub fn command(&self, name: &str, database_url: &str) -> Command {
         let mut cmd = Command::new(self.dir.join(name));
         cmd.env_clear();
         if let Some(path) = std::env::var_os("PATH") {
@@ -62,11 +62,20 @@ impl Bins {
 
     /// Starts `inbox-ingest` on a free port and waits until `/healthz` answers 200.
     pub async fn start_ingest(&self, database_url: &str) -> anyhow::Result<(Proc, SocketAddr)> {
+        self.start_ingest_with_env(database_url, &[]).await
+    }
+
+    /// [`Bins::start_ingest`] with more environment (e.g. `INBOX_SIGNATURE_TOLERANCE`).
+    pub async fn start_ingest_with_env(
+        &self,
+        database_url: &str,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<(Proc, SocketAddr)> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let mut cmd = self.command("inbox-ingest", database_url);
         cmd.env("INBOX_ENDPOINTS", format!("billing={SECRET}")).env("INBOX_LISTEN", addr.to_string());
-        cmd.args(&self.ingest_args);
+        cmd.envs(env.iter().copied()).args(&self.ingest_args);
         let mut proc = Proc::spawn(cmd);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
