@@ -112,6 +112,24 @@ fn template_with_pad(target: usize, pad: bool) -> String {
     .unwrap()
 }
 
+/// An `invoice.paid` event whose invoice is Stripe's own fixture (tests/fixtures/stripe-openapi:
+/// every field an invoice has, ~5 KB pretty-printed as Stripe sends it), paid, with the
+/// placeholders [`EVT`] and [`INV`]: the size and shape of what the inbox stores in production,
+/// for the soak. Past PostgreSQL's TOAST threshold (~2 KB), so the row keeps its payload out of
+/// line, unlike [`invoice_paid_template`]'s.
+pub fn stripe_invoice_paid_template() -> String {
+    use inbox_test_support::stripe_fixtures::{resource, snapshot_event};
+    let mut invoice = resource("invoice");
+    invoice["id"] = serde_json::json!(INV);
+    invoice["status"] = serde_json::json!("paid");
+    invoice["amount_paid"] = serde_json::json!(4980);
+    invoice["amount_due"] = serde_json::json!(4980);
+    invoice["amount_remaining"] = serde_json::json!(0);
+    invoice["currency"] = serde_json::json!("jpy");
+    invoice["customer"] = serde_json::json!("cus_Q8bench0001");
+    serde_json::to_string_pretty(&snapshot_event(EVT, "invoice.paid", invoice, 1_790_000_200)).unwrap()
+}
+
 pub fn event_id(tag: &str, index: usize) -> String {
     format!("evt_{tag}{index:010}")
 }

@@ -794,7 +794,7 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
         anyhow::Ok(purges)
     };
     let snapshot = hold_snapshot(&db.url, t0, duration / 2, hold, end);
-    let load = send(addr, ctx.template.clone(), rate, conns, t0, duration);
+    let load = send(addr, crate::payload::stripe_invoice_paid_template(), rate, conns, t0, duration);
     let ((), purges, window, (counts, http_p99s, first_error)) =
         tokio::try_join!(sampling, purging, snapshot, load)?;
     let (snap_start, snap_end, snap_rows) = window;
