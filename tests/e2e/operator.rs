@@ -1088,6 +1088,76 @@ async fn requeue_all_stopped_by_sigterm_ends_after_its_batch_and_says_how_far_it
     assert_eq!((runs.len(), runs[0].affected()), (1, requeued), "{runs:?}");
 }
 
+/// A purge beside live traffic rests between its batches: at `--duty-cycle 25` it rests three
+/// times as long as each batch took, at 100 never. Each deleted row takes 50 ms here (a trigger
+/// that sleeps), so 10 batches of 2 work for ≥ 1 s, and rest ≥ 3 s more at 25 %: only lower bounds
+/// are asserted (a sleep is never shorter), the rates themselves are the soak's. The duty cycle is
+/// on record in the run's first audit record; one outside 1..=100 is refused before anything.
+#[tokio::test]
+async fn purge_rests_between_batches_for_the_share_of_time_its_duty_cycle_leaves() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let seed = |from: i32| {
+        format!(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, received_at,
+                                        attempts, processed_at)
+             SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid', jsonb_build_object('id', 'evt_' || i),
+                    now() - interval '41 days', 1, now() - interval '40 days'
+               FROM generate_series({from}, {from} + 19) AS i"
+        )
+    };
+    client
+        .batch_execute(&format!(
+            "{};
+             CREATE FUNCTION slow_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN PERFORM pg_sleep(0.05); RETURN OLD; END $$;
+             CREATE TRIGGER slow_delete BEFORE DELETE ON webhook_inbox
+                 FOR EACH ROW EXECUTE FUNCTION slow_delete();",
+            seed(1)
+        ))
+        .await
+        .unwrap();
+
+    let refused =
+        run(worker(&db, &["purge", "--older-than", "30d", "--duty-cycle", "0", "--actor", "hal"]), TIMEOUT);
+    assert_eq!(refused.0, 2, "{}", refused.1);
+    assert!(refused.1.contains("--duty-cycle"), "{}", refused.1);
+    assert_eq!(db.count("webhook_inbox").await, 20, "nothing deleted");
+
+    let timed = |duty: &'static str| {
+        let db = &db;
+        async move {
+            let started = std::time::Instant::now();
+            let report = json_of(
+                db,
+                &[
+                    "purge",
+                    "--older-than",
+                    "30d",
+                    "--batch-size",
+                    "2",
+                    "--duty-cycle",
+                    duty,
+                    "--actor",
+                    "hal",
+                ],
+            )
+            .await;
+            assert_eq!(report["deleted"], 20, "{report}");
+            started.elapsed()
+        }
+    };
+    let full = timed("100").await;
+    assert!(full >= Duration::from_secs(1), "10 batches of 2 rows at 50 ms each: {full:?}");
+    client.batch_execute(&seed(101)).await.unwrap();
+    let quarter = timed("25").await;
+    assert!(quarter >= Duration::from_secs(4), "1 s of deleting and three times that resting: {quarter:?}");
+
+    let runs = audit_runs(&client).await;
+    let cycles: Vec<i64> = runs.iter().filter_map(|r| r.target["duty_cycle"].as_i64()).collect();
+    assert_eq!(cycles, [100, 25], "{runs:?}");
+}
+
 #[tokio::test]
 async fn purge_stopped_by_sigterm_ends_after_its_batch_and_is_on_record() {
     let db = TestDb::new().await;
@@ -1197,7 +1267,8 @@ async fn purge_batches_do_not_read_again_the_pages_of_rows_deleted_before_them()
         .await
         .unwrap();
 
-    let report = json_of(&db, &["purge", "--older-than", "30d", "--batch-size", "10"]).await;
+    let report =
+        json_of(&db, &["purge", "--older-than", "30d", "--batch-size", "10", "--duty-cycle", "100"]).await;
     assert_eq!((report["deleted"].as_i64(), report["batches"].as_i64()), (Some(10_000), Some(1000)));
     // A backend flushes its counters when it exits: wait for the purge's to be gone, then read.
     let deadline = std::time::Instant::now() + TIMEOUT;
