@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use inbox_domain::inbox::store::maintenance::{self, StatsResetAnalysis};
 use inbox_domain::inbox::store::TransactionLimits;
 use inbox_test_support::db::{connect, scalar};
-use inbox_test_support::process::{command, run, start_worker_with_metrics, Proc};
+use inbox_test_support::process::{children, command, run, start_worker_with_metrics, state, Proc};
 use inbox_test_support::server_user::{self, as_server, running_as_root, write_as_server};
 use inbox_test_support::worker::eventually;
 use inbox_test_support::TestDb;
@@ -33,29 +33,6 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 /// V17, V18; the purge's delete is not), well beyond what makes autovacuum vacuum `webhook_inbox`
 /// (1000 + 1% of the rows, migration V1).
 const EVENTS: i64 = 5000;
-
-/// The state of a process (`R`, `S`, `T`, `Z`…), None when it is gone.
-fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
-}
-
-/// The processes whose parent is `pid`.
-fn children(pid: i32) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
-        .filter(|child| {
-            std::fs::read_to_string(format!("/proc/{child}/stat")).ok().is_some_and(|stat| {
-                stat.rsplit_once(") ")
-                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-                    .and_then(|ppid| ppid.parse::<i32>().ok())
-                    == Some(pid)
-            })
-        })
-        .collect()
-}
 
 /// A single PostgreSQL cluster with database `inbox`, stopped and removed when dropped.
 struct Cluster {

@@ -480,6 +480,16 @@ fn collect_nodes(node: &serde_json::Value, out: &mut Vec<String>) {
     }
 }
 
+/// Whether any row is unprocessed: from the queue table (V17) and the parked rows' index, never
+/// the processed history; on a schema before V17 (`--bin-dir` with older binaries), from the
+/// table itself.
+const UNPROCESSED_EXISTS_SQL: &str = "\
+SELECT CASE WHEN to_regclass('webhook_inbox_queue') IS NULL
+            THEN EXISTS (SELECT 1 FROM webhook_inbox WHERE processed_at IS NULL)
+            ELSE EXISTS (SELECT 1 FROM webhook_inbox_queue)
+                 OR EXISTS (SELECT 1 FROM webhook_inbox WHERE parked_at IS NOT NULL AND processed_at IS NULL)
+       END";
+
 /// Waits until no row is unprocessed, polling every `every` with a cheap `EXISTS` (each poll one
 /// transaction; a `count(*)` over the queue would compete with the workers for the server's CPU);
 /// every 15 s counts the rows left for `progress`. Returns the number of our transactions and
@@ -496,13 +506,7 @@ pub async fn wait_drained(
     let mut last_progress = start;
     let mut polls = 0;
     loop {
-        let rows =
-            simple_rows(
-                client,
-                "SELECT EXISTS (SELECT 1 FROM webhook_inbox_queue)
-                     OR EXISTS (SELECT 1 FROM webhook_inbox WHERE parked_at IS NOT NULL AND processed_at IS NULL)",
-            )
-                .await?;
+        let rows = simple_rows(client, UNPROCESSED_EXISTS_SQL).await?;
         polls += 1;
         if rows[0][0] == "f" {
             return Ok((polls, std::time::Instant::now()));
@@ -510,7 +514,8 @@ pub async fn wait_drained(
         alive()?;
         if last_progress.elapsed() >= Duration::from_secs(15) {
             last_progress = std::time::Instant::now();
-            let left = simple_rows(client, "SELECT count(*) FROM webhook_inbox_queue").await?;
+            let left =
+                simple_rows(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await?;
             polls += 1;
             progress(left[0][0].parse().unwrap_or(-1));
         }

@@ -123,6 +123,30 @@ impl Drop for Proc {
         let _ = self.child.wait();
     }
 }
+/// The state letter of process `pid` (`R`, `S`, `T` for stopped, `Z` for a zombie…), None when it
+/// is gone.
+pub fn state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+}
+
+/// The processes whose parent is `pid`.
+pub fn children(pid: i32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|child| {
+            std::fs::read_to_string(format!("/proc/{child}/stat")).ok().is_some_and(|stat| {
+                // After "(comm) ": state, then the parent's pid.
+                stat.rsplit_once(") ")
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .and_then(|ppid| ppid.parse::<i32>().ok())
+                    == Some(pid)
+            })
+        })
+        .collect()
+}
 
 /// Sends `signal` to `pid` (SIGTERM, SIGKILL, SIGSTOP, …); returns kill(2)'s result.
 #[allow(unsafe_code)]

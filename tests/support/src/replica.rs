@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use tokio_postgres::{Client, Config};
 
 use crate::db::{connect, scalar};
+use crate::process::{children, state};
 use crate::server_user::{as_server, run, running_as_root, write_as_server};
 
 const DIR_PREFIX: &str = "inbox-replica-";
@@ -61,30 +62,6 @@ fn alive(pid: i32) -> bool {
         }
         Err(_) => false,
     }
-}
-
-/// The state letter of `pid` (`R`, `S`, `T` for stopped…), None when it is gone.
-fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
-}
-
-/// The processes whose parent is `pid`.
-fn children(pid: i32) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
-        .filter(|child| {
-            std::fs::read_to_string(format!("/proc/{child}/stat")).ok().is_some_and(|stat| {
-                // After "(comm) ": state, then the parent's pid.
-                stat.rsplit_once(") ")
-                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-                    .and_then(|ppid| ppid.parse::<i32>().ok())
-                    == Some(pid)
-            })
-        })
-        .collect()
 }
 
 /// One cluster of the pair.
