@@ -78,6 +78,7 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     let error = queue::claim(
         &conn,
         &inbox_test_support::worker::EVERY_TYPE,
+        None,
         10,
         10,
         i64::MAX,
@@ -99,6 +100,7 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     let claimed = queue::claim(
         &conn,
         &inbox_test_support::worker::EVERY_TYPE,
+        None,
         10,
         10,
         i64::MAX,
@@ -129,6 +131,7 @@ async fn a_claim_stops_at_its_byte_budget_and_always_takes_one_row() {
             queue::claim(
                 conn,
                 &inbox_test_support::worker::EVERY_TYPE,
+                None,
                 10,
                 limit,
                 budget,
@@ -284,6 +287,7 @@ async fn a_row_whose_worker_dies_after_every_claim_is_parked_at_the_attempt_limi
     let next = queue::claim(
         &conn,
         &inbox_test_support::worker::EVERY_TYPE,
+        None,
         3,
         1,
         i64::MAX,
@@ -889,15 +893,15 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
         (
             "claim",
             CLAIM_SQL,
-            "int, bigint, float8, bigint",
-            "(10, 32, 30.0, 33554432)".to_owned(),
+            "int, bigint, float8, bigint, timestamptz",
+            "(10, 32, 30.0, 33554432, NULL)".to_owned(),
             "using webhook_inbox_queue_by_type",
         ),
         (
             "typed_claim",
             CLAIM_TYPED_SQL,
-            "int, bigint, float8, bigint, text[], text[], text[]",
-            "(10, 32, 30.0, 33554432, '{invoice.paid}', '{customer.}', '{customer/}')".to_owned(),
+            "int, bigint, float8, bigint, timestamptz, text[], text[], text[]",
+            "(10, 32, 30.0, 33554432, NULL, '{invoice.paid}', '{customer.}', '{customer/}')".to_owned(),
             "using webhook_inbox_queue_by_type",
         ),
         ("lock", LOCK_BY_CTID_SQL, "text[]", ctids.clone(), "Tid Scan"),
@@ -990,6 +994,114 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
     );
 }
 
+/// While a snapshot older than the processed rows is open (a reporting query held for minutes),
+/// neither vacuum nor the scans can remove the dead entries each claim and each processed mark
+/// leave in the queue's index, at the front of their type's part of it. 19,500 of 20,000 queued
+/// rows are claimed and processed under such a snapshot, by claims that each start where the one
+/// before left off (`ClaimCursor`); the next claim from there must visit none of the dead entries
+/// (heap fetches of the queue's index scans), where a claim from the front of the queue (the
+/// cursor's periodic full scan, and every claim before the cursor) visits all 19,500.
+#[tokio::test]
+async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_at_the_dead_entries() {
+    use inbox_domain::inbox::store::queue::{ClaimCursor, CLAIM_PLANNER_SQL, CLAIM_SQL};
+    let db = TestDb::new().await;
+    let mut client = db.client().await;
+    client
+        .execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, received_at, available_at)
+             SELECT 'stripe', 'billing', 'evt_' || i, 'test.unhandled', jsonb_build_object('pad', repeat('x', 500)),
+                    now() - interval '10 hours' + i * interval '1 s', now() - interval '10 hours' + i * interval '1 s'
+               FROM generate_series(1, 20000) i",
+            &[],
+        )
+        .await
+        .unwrap();
+    client.batch_execute("VACUUM ANALYZE webhook_inbox, webhook_inbox_queue").await.unwrap();
+    let reporting = db.client().await;
+    reporting
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM webhook_inbox;")
+        .await
+        .unwrap();
+
+    let mut cursor = ClaimCursor::new();
+    let mut resume_from = None;
+    for limit in std::iter::repeat_n(1000, 19).chain([500]) {
+        let claim = queue::claim(
+            &client,
+            &inbox_test_support::worker::EVERY_TYPE,
+            cursor.start(),
+            10,
+            limit,
+            i64::MAX,
+            LEASE,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+        assert_eq!(claim.claimed.len() as i64, limit, "every claim takes its oldest rows");
+        cursor.advance(&claim);
+        client
+            .execute(
+                "UPDATE webhook_inbox SET processed_at = now() WHERE attempts = 1 AND processed_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap();
+        resume_from = claim.resume_from;
+    }
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 500);
+    // Where the next claim starts: the cursor's start, unless its full scan is due.
+    let since = resume_from.unwrap() - ClaimCursor::SLACK;
+    let since: String = client.query_one("SELECT $1::timestamptz::text", &[&since]).await.unwrap().get(0);
+
+    client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
+    client.batch_execute(&CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
+    client
+        .batch_execute(&format!("PREPARE claim(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"))
+        .await
+        .unwrap();
+    let mut visited = Vec::new();
+    for start in [format!("'{since}'"), "NULL".to_owned()] {
+        let tx = client.transaction().await.unwrap();
+        let plan: Vec<String> = tx
+            .query(
+                &format!(
+                    "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE claim(10, 32, 30.0, 33554432, {start})"
+                ),
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let oldest: Vec<String> = tx
+            .query("SELECT event_id FROM webhook_inbox WHERE attempts = 1 AND processed_at IS NULL ORDER BY received_at", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        tx.rollback().await.unwrap();
+        let plan = plan.join("\n");
+        let expected: Vec<String> = (19_501..19_533).map(|i| format!("evt_{i}")).collect();
+        assert_eq!(oldest, expected, "from {start}, the oldest 32 ready rows: {plan}");
+        // The rows the queue's index scans visited in the table: its dead entries and the live.
+        let heap_fetches: u64 = plan
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("Heap Fetches: "))
+            .map(|n| n.parse::<u64>().unwrap())
+            .sum();
+        visited.push(heap_fetches);
+    }
+    reporting.batch_execute("COMMIT").await.unwrap();
+    let [from_cursor, from_front] = visited[..] else { unreachable!() };
+    assert!(
+        from_cursor < 100 && from_front >= 19_500,
+        "the claim's scans visited {from_cursor} entries from the cursor, {from_front} from the front"
+    );
+}
+
 /// A stale worker's failure (or returned attempt) lands only on its own claim. After its lease
 /// expired, an operator requeued the row (attempts back to 0) and another worker claimed it — the
 /// same attempt number again — the stale write must still miss: the claim is identified by its
@@ -1057,14 +1169,14 @@ async fn a_typed_claim_reads_the_rows_of_its_types_not_the_unhandled_rows_queued
     tokio::time::sleep(Duration::from_millis(5)).await;
     let tx = client.transaction().await.unwrap();
     tx.batch_execute(&format!(
-        "PREPARE typed(int, bigint, float8, bigint, text[], text[], text[]) AS {CLAIM_TYPED_SQL}"
+        "PREPARE typed(int, bigint, float8, bigint, timestamptz, text[], text[], text[]) AS {CLAIM_TYPED_SQL}"
     ))
     .await
     .unwrap();
     let exact = format!("'{{{}}}'", filter.exact.join(","));
     let plan: Vec<String> = tx
         .query(
-            &format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE typed(10, 32, 30.0, 33554432, {exact}, '{{}}', '{{}}')"),
+            &format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE typed(10, 32, 30.0, 33554432, NULL, {exact}, '{{}}', '{{}}')"),
             &[],
         )
         .await

@@ -43,6 +43,9 @@ pub struct Context {
     pub wake_relays: RelayWake,
     /// `fetch`: gets the objects a batch's thin events name before the batch is applied.
     pub fetcher: Option<Arc<crate::fetch::Fetcher>>,
+    /// Where the next claim starts reading the queue (see `ClaimCursor`): the producer claims
+    /// one batch at a time, the lock is held only to read or move it.
+    pub cursor: std::sync::Mutex<queue::ClaimCursor>,
 }
 
 /// At most one wake-up of the relays (`NOTIFY outbox`) per interval from this worker, sent by the
@@ -289,9 +292,11 @@ async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String>
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
         let started = Instant::now();
+        let since = ctx.cursor.lock().expect("cursor lock").start();
         let rows = queue::claim(
             conn.client(),
             &ctx.claims,
+            since,
             ctx.max_attempts,
             want as i64,
             budget,
@@ -301,6 +306,7 @@ async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String>
         .await
         .map_err(|e| describe_db_error(&e))?;
         ctx.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
+        ctx.cursor.lock().expect("cursor lock").advance(&rows);
         conn.set_clean(true);
         Ok(rows)
     };

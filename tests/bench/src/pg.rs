@@ -438,9 +438,10 @@ pub async fn explain_claim(client: &mut Client) -> serde_json::Value {
 
 async fn explain_claim_inner(client: &mut Client) -> anyhow::Result<serde_json::Value> {
     // $1 max attempts, $2 batch size, $3 lease in seconds, $4 the free memory budget in payload
-    // bytes (as the worker binds them; the budget of an idle worker at the default 32 MiB).
+    // bytes (as the worker binds them; the budget of an idle worker at the default 32 MiB), $5
+    // where the scans start (NULL: the whole queue, as a worker's first claim).
     let mut sql = inbox_domain::inbox::store::queue::CLAIM_SQL.to_owned();
-    for (param, value) in [("$4", "33554432"), ("$3", "120.0"), ("$2", "32"), ("$1", "10")] {
+    for (param, value) in [("$5", "NULL"), ("$4", "33554432"), ("$3", "120.0"), ("$2", "32"), ("$1", "10")] {
         sql = sql.replace(param, value);
     }
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}");

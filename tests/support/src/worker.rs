@@ -98,6 +98,7 @@ pub async fn claim(
     inbox_domain::inbox::store::queue::claim(
         &client,
         &EVERY_TYPE,
+        None,
         max_attempts,
         n,
         i64::MAX,
@@ -121,6 +122,7 @@ pub async fn claim_for(
     inbox_domain::inbox::store::queue::claim(
         &client,
         &registry.claim_filter(),
+        None,
         max_attempts,
         n,
         i64::MAX,

@@ -49,7 +49,8 @@ macro_rules! ready_rows_of_type {
                      FROM webhook_inbox_queue AS q
                      JOIN webhook_inbox AS w
                           ON (w.provider, w.endpoint, w.event_id) = (q.provider, q.endpoint, q.event_id)
-                    WHERE q.event_type COLLATE \"C\" = t.event_type AND q.available_at <= now()
+                    WHERE q.event_type COLLATE \"C\" = t.event_type
+                      AND q.available_at >= coalesce($5::timestamptz, '-infinity') AND q.available_at <= now()
                     ORDER BY q.available_at
                     LIMIT $2
                       FOR UPDATE OF w SKIP LOCKED"
@@ -62,12 +63,12 @@ macro_rules! ready_rows_of_type {
 macro_rules! claim_after_candidates {
     () => {
         concat!(
-            "), picked AS (
-    SELECT ctid, attempts, bytes, unreadable
-      FROM (SELECT ctid, attempts, bytes, unreadable,
-                   sum(bytes) OVER (ORDER BY available_at, ctid ROWS UNBOUNDED PRECEDING) - bytes AS before
-              FROM candidates) AS c
-     WHERE before < $4
+            "), ranked AS (
+    SELECT ctid, attempts, bytes, unreadable, available_at,
+           sum(bytes) OVER (ORDER BY available_at, ctid ROWS UNBOUNDED PRECEDING) - bytes AS before
+      FROM candidates
+), picked AS (
+    SELECT ctid, attempts, bytes, unreadable FROM ranked WHERE before < $4
 ), claimed AS (
     UPDATE webhook_inbox AS w
        SET attempts = w.attempts + 1,
@@ -98,10 +99,19 @@ macro_rules! claim_after_candidates {
     "
     RETURNING w.provider, w.endpoint, w.event_id, w.event_type, w.attempts, w.received_at,
               w.ctid::text AS ctid, picked.bytes::int8 AS bytes, true AS parked, w.available_at
+), taken AS (
+    SELECT * FROM claimed
+    UNION ALL
+    SELECT * FROM exhausted
+), resume AS (
+    SELECT coalesce(min(available_at) FILTER (WHERE before >= $4),
+                    CASE WHEN count(*) >= $2 THEN max(available_at) END,
+                    now()) AS resume_from
+      FROM ranked
 )
-SELECT * FROM claimed
-UNION ALL
-SELECT * FROM exhausted"
+SELECT taken.*, resume.resume_from
+  FROM resume
+  LEFT JOIN taken ON true"
         )
     };
 }
@@ -136,6 +146,20 @@ SELECT * FROM exhausted"
 /// types) were locked only for the statement's short transaction. Returns the claimed rows
 /// (`parked` false) and the rows it parked (`parked` true), each with its size.
 ///
+/// Where the scans start: at `$5` (a [`ClaimCursor`]'s `since`; NULL for the whole queue), in
+/// every type's part of the index, the skip scan's probes included. Each claim and each processed
+/// mark leaves a dead entry at the front of its type's part of the index, where every claim from
+/// the type's first entry would step over it; while any snapshot older than those rows is open (a
+/// long reporting query, a `pg_dump`), neither vacuum nor the scans themselves can remove them,
+/// and a claim that starts from the front reads more of them with each event processed. Returns,
+/// besides the rows, `resume_from`, where the next claim may start: every ready row this claim
+/// found unlocked and did not take is at or after it. That is the oldest candidate not picked
+/// (over the budget, or newer than the oldest `$2` of all types); when every candidate was picked,
+/// the newest of `$2` candidates (each type's rows past its candidates are newer than it: the
+/// candidates are the oldest `$2` of the oldest `$2` of each type), or the snapshot's `now()` when
+/// there were fewer (every ready row was read). The result always has one row: the rows taken,
+/// each with `resume_from`, or one row of NULLs and `resume_from`.
+///
 /// The updates write no column an index of `webhook_inbox` names, so each is a HOT update (in
 /// place on the row's page, no new index entry) when the page has room; the trigger on
 /// `available_at` (or `parked_at`) moves the row's entry in the queue table in the same
@@ -145,13 +169,14 @@ pub const CLAIM_SQL: &str = concat!(
 WITH RECURSIVE ready_types(event_type) AS (
     (SELECT q.event_type COLLATE \"C\"
        FROM webhook_inbox_queue AS q
-      WHERE q.available_at <= now()
+      WHERE q.available_at >= coalesce($5::timestamptz, '-infinity') AND q.available_at <= now()
       ORDER BY q.event_type COLLATE \"C\"
       LIMIT 1)
     UNION ALL
     SELECT (SELECT q.event_type COLLATE \"C\"
               FROM webhook_inbox_queue AS q
-             WHERE q.event_type COLLATE \"C\" > r.event_type AND q.available_at <= now()
+             WHERE q.event_type COLLATE \"C\" > r.event_type
+               AND q.available_at >= coalesce($5::timestamptz, '-infinity') AND q.available_at <= now()
              ORDER BY q.event_type COLLATE \"C\"
              LIMIT 1)
       FROM ready_types AS r
@@ -170,25 +195,27 @@ WITH RECURSIVE ready_types(event_type) AS (
 );
 
 /// [`CLAIM_SQL`] for a worker that claims some event types only (see `handler::ClaimFilter`):
-/// `$5` the types it claims by name, `$6`/`$7` the bounds (`low` ≤ type < `high`, in byte order) of
-/// each ignored `prefix.*`; `$1`…`$4` as there. For each type named, its oldest ready rows
+/// `$6` the types it claims by name, `$7`/`$8` the bounds (`low` ≤ type < `high`, in byte order) of
+/// each ignored `prefix.*`; `$1`…`$5` as there. For each type named, its oldest ready rows
 /// ([`ready_rows_of_type!`]: ready rows of the types this worker does not claim are never read,
 /// however many wait in front); for each prefix, any ready rows in its range (ignored types: their
 /// order does not matter). Of those, the oldest `$2`, then the same budget, attempt limit and
 /// updates. A worker that claims several types with backlogs locks up to `$2` rows of each for
-/// the instant the claim takes, and claims the oldest `$2` of them.
+/// the instant the claim takes, and claims the oldest `$2` of them. The rows of an ignored
+/// prefix are read in no order, so `resume_from` may pass some of them: they wait for the
+/// cursor's next full scan (see [`ClaimCursor`]).
 pub const CLAIM_TYPED_SQL: &str = concat!(
     "\
 WITH candidates AS (
     SELECT c.*
       FROM (SELECT c.*
-              FROM unnest($5::text[]) AS t(event_type)
+              FROM unnest($6::text[]) AS t(event_type)
              CROSS JOIN LATERAL (",
     ready_rows_of_type!(),
     ") AS c
             UNION ALL
             SELECT c.*
-              FROM unnest($6::text[], $7::text[]) AS p(low, high)
+              FROM unnest($7::text[], $8::text[]) AS p(low, high)
              CROSS JOIN LATERAL (
                    SELECT w.ctid, w.attempts, w.available_at,
                           COALESCE(w.payload_bytes, octet_length(w.payload::text)) AS bytes,
@@ -197,7 +224,7 @@ WITH candidates AS (
                      JOIN webhook_inbox AS w
                           ON (w.provider, w.endpoint, w.event_id) = (q.provider, q.endpoint, q.event_id)
                     WHERE q.event_type COLLATE \"C\" >= p.low AND q.event_type COLLATE \"C\" < p.high
-                      AND q.available_at <= now()
+                      AND q.available_at >= coalesce($5::timestamptz, '-infinity') AND q.available_at <= now()
                     LIMIT $2
                       FOR UPDATE OF w SKIP LOCKED) AS c) AS c
      ORDER BY available_at
@@ -222,6 +249,69 @@ pub struct Claim {
     pub claimed: Vec<Claimed>,
     /// Ready rows already at the attempt limit, parked by this claim (see [`CLAIM_SQL`]).
     pub parked: Vec<Claimed>,
+    /// Where the next claim may start (see [`CLAIM_SQL`]): what [`ClaimCursor::advance`] takes.
+    pub resume_from: Option<std::time::SystemTime>,
+}
+
+/// Where a worker's claims start reading the queue: a little before where its last claim left
+/// off, and from the front of the queue every few seconds.
+///
+/// A claim that starts at the front of each type's part of `webhook_inbox_queue_by_type` steps
+/// over the dead entries that every claimed and processed row leaves there. Vacuum and page
+/// pruning remove them in the steady state; while a snapshot older than them is open (a reporting
+/// query held for minutes) nothing can, and each claim reads all of them: the soak measured the
+/// workers falling from 1200 to ~600 events/s under a 5-minute snapshot. Started from the oldest
+/// ready row the last claim left, a claim reads only the entries of the last moments.
+///
+/// What a start later than the front can miss, and why the full scans are enough: a row whose
+/// availability is older than the start when it becomes visible to claims — an insert whose
+/// transaction committed more than [`ClaimCursor::SLACK`] after its `now()`, rows another worker's
+/// claim had locked and then rolled back. Nothing else becomes ready in the past: a retry, a lease
+/// and a hand-back are set to a time after `now()`, a requeue to `now()`. Such a row waits for the
+/// next full scan, at most [`ClaimCursor::FULL_SCAN_EVERY`]; no row is ever left behind.
+#[derive(Debug, Clone)]
+pub struct ClaimCursor {
+    /// The start of the next claim; None: the next claim reads the whole queue.
+    since: Option<std::time::SystemTime>,
+    /// When the next claim reads the whole queue again.
+    full_scan_at: std::time::Instant,
+}
+
+impl ClaimCursor {
+    /// How far before where the last claim left off the next one starts: covers inserts that
+    /// commit shortly after their `now()` (the ingest's group commits take milliseconds).
+    pub const SLACK: std::time::Duration = std::time::Duration::from_secs(2);
+    /// How often a claim reads the whole queue: the longest a row ready before the start waits.
+    pub const FULL_SCAN_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+    /// A cursor whose first claim reads the whole queue.
+    pub fn new() -> Self {
+        ClaimCursor { since: None, full_scan_at: std::time::Instant::now() }
+    }
+
+    /// Where the next claim starts (`$5` of [`CLAIM_SQL`]): None when a full scan is due.
+    pub fn start(&mut self) -> Option<std::time::SystemTime> {
+        let now = std::time::Instant::now();
+        if now >= self.full_scan_at {
+            self.full_scan_at = now + Self::FULL_SCAN_EVERY;
+            return None;
+        }
+        self.since
+    }
+
+    /// After a claim that committed: the next starts [`ClaimCursor::SLACK`] before where it left
+    /// off (`resume_from`).
+    pub fn advance(&mut self, claim: &Claim) {
+        if let Some(from) = claim.resume_from {
+            self.since = from.checked_sub(Self::SLACK);
+        }
+    }
+}
+
+impl Default for ClaimCursor {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Runs [`CLAIM_SQL`] for up to `limit` rows and `budget` payload bytes (see there), in a
@@ -230,11 +320,13 @@ pub struct Claim {
 /// see `query_in_own_transaction`).
 ///
 /// `filter` says which event types: every type ([`CLAIM_SQL`]), or those it names and prefixes
-/// ([`CLAIM_TYPED_SQL`]).
+/// ([`CLAIM_TYPED_SQL`]); `since` where the scans start (a [`ClaimCursor`]'s; None: the whole
+/// queue).
 #[allow(clippy::too_many_arguments)]
 pub async fn claim(
     client: &Client,
     filter: &ClaimFilter,
+    since: Option<std::time::SystemTime>,
     max_attempts: i32,
     limit: i64,
     budget: i64,
@@ -249,6 +341,7 @@ pub async fn claim(
         (&limit, Type::INT8),
         (&lease, Type::FLOAT8),
         (&budget, Type::INT8),
+        (&since, Type::TIMESTAMPTZ),
     ];
     let sql = if filter.all {
         CLAIM_SQL
@@ -264,6 +357,11 @@ pub async fn claim(
     let rows = super::query_in_own_transaction_with(client, timeout, CLAIM_PLANNER_SQL, sql, &params).await?;
     let mut claim = Claim::default();
     for r in &rows {
+        claim.resume_from = r.get(10);
+        if r.get::<_, Option<String>>(0).is_none() {
+            // The one row of a claim that took nothing.
+            continue;
+        }
         let row = Claimed {
             key: InboxKey { provider: r.get(0), endpoint: r.get(1), event_id: r.get(2) },
             event_type: r.get(3),
