@@ -178,6 +178,8 @@ async fn an_odd_secret_and_a_misspelt_endpoint_are_warned_about_by_name() {
         .unwrap()
         .status();
     assert_eq!(status.as_u16(), 404);
+    // The answer can arrive before the process's log line has been read.
+    proc.wait_for_line("\"requested\":\"Billing\"", Duration::from_secs(10));
     let logs = proc.output();
     let lines: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let secret_warning = lines.iter().find(|l| {
