@@ -876,6 +876,84 @@ async fn queue_rows(client: &tokio_postgres::Client, n: i32, event_type: &str) {
         .unwrap();
 }
 
+/// How many rows the queue table and the inbox disagree on: a waiting row (neither processed nor
+/// parked) missing from the queue or differing there, or a queue entry with no such row.
+async fn queue_disagreements(client: &tokio_postgres::Client) -> i64 {
+    scalar(
+        client,
+        "WITH waiting AS (SELECT provider, endpoint, event_id, event_type, available_at, received_at
+                            FROM webhook_inbox WHERE processed_at IS NULL AND parked_at IS NULL),
+              queued AS (SELECT provider, endpoint, event_id, event_type, available_at, received_at
+                           FROM webhook_inbox_queue)
+         SELECT (SELECT count(*) FROM (TABLE waiting EXCEPT TABLE queued) AS missing)
+              + (SELECT count(*) FROM (TABLE queued EXCEPT TABLE waiting) AS stale)",
+    )
+    .await
+}
+
+/// The queue table holds exactly the inbox's waiting rows after every kind of write, each made by
+/// hand as a team's own SQL would: rows stored, leased, processed, parked, moved to another key and
+/// requeued, several of them in one statement; a write of no queue column; a statement that
+/// changes nothing; a delete; and an entry lost by hand, restored by its row's next change.
+#[tokio::test]
+async fn the_queue_table_follows_every_write_of_the_inbox_however_many_rows_a_statement_changes() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    queue_rows(&client, 8, "invoice.paid").await;
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 8);
+    let steps = [
+        ("a lease of three rows", "UPDATE webhook_inbox SET available_at = now() + interval '2 min', attempts = attempts + 1 WHERE event_id IN ('evt_1', 'evt_2', 'evt_3')"),
+        (
+            "one processed, one parked, one moved, one renamed, in one statement",
+            "UPDATE webhook_inbox
+                SET processed_at = CASE event_id WHEN 'evt_1' THEN now() END,
+                    parked_at = CASE event_id WHEN 'evt_2' THEN now() END,
+                    available_at = CASE event_id WHEN 'evt_3' THEN now() + interval '5 s' ELSE available_at END,
+                    event_id = CASE event_id WHEN 'evt_4' THEN 'evt_40' ELSE event_id END
+              WHERE event_id IN ('evt_1', 'evt_2', 'evt_3', 'evt_4')",
+        ),
+        ("a failure's error alone", "UPDATE webhook_inbox SET last_error = 'boom' WHERE event_id = 'evt_5'"),
+        ("a statement that changes no row", "UPDATE webhook_inbox SET available_at = now() WHERE false"),
+        ("the processed and the parked row requeued", "UPDATE webhook_inbox SET processed_at = NULL, parked_at = NULL, attempts = 0, available_at = now() WHERE event_id IN ('evt_1', 'evt_2')"),
+        ("a renamed row takes a freed key", "UPDATE webhook_inbox SET event_id = CASE event_id WHEN 'evt_40' THEN 'evt_4' ELSE 'evt_400' END WHERE event_id IN ('evt_40', 'evt_6')"),
+        ("a waiting row deleted", "DELETE FROM webhook_inbox WHERE event_id = 'evt_7'"),
+        ("an entry lost by hand", "DELETE FROM webhook_inbox_queue WHERE event_id = 'evt_8'"),
+        ("its row's next change", "UPDATE webhook_inbox SET available_at = now() - interval '1 s' WHERE event_id = 'evt_8'"),
+        ("every row processed", "UPDATE webhook_inbox SET processed_at = now()"),
+    ];
+    for (step, sql) in steps {
+        client.batch_execute(sql).await.unwrap();
+        let expected = if step == "an entry lost by hand" { 1 } else { 0 };
+        assert_eq!(queue_disagreements(&client).await, expected, "after {step}");
+    }
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
+}
+
+/// A claim or a mark of a whole batch keeps the queue table in one call of its trigger function,
+/// not one per row: the calls (their switch to the table's owner, their statements through SPI)
+/// were a quarter of PostgreSQL's CPU in the benchmark's drain.
+#[tokio::test]
+async fn a_batch_leased_or_processed_in_one_statement_keeps_the_queue_table_in_one_trigger_call() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    queue_rows(&client, 64, "invoice.paid").await;
+    client.batch_execute("BEGIN; SET LOCAL track_functions = 'pl'").await.unwrap();
+    let calls = "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_xact_user_functions
+                  WHERE funcname = 'webhook_inbox_queue_follow'";
+    client
+        .batch_execute(
+            "UPDATE webhook_inbox SET available_at = now() + interval '2 min', attempts = attempts + 1",
+        )
+        .await
+        .unwrap();
+    assert_eq!(scalar(&client, calls).await, 1, "a lease of 64 rows");
+    client.batch_execute("UPDATE webhook_inbox SET processed_at = now()").await.unwrap();
+    assert_eq!(scalar(&client, calls).await, 2, "a mark of 64 rows");
+    client.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(queue_disagreements(&client).await, 0);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
+}
+
 /// Planned for their arguments (the worker sends them unnamed), the claims (of every type, and of
 /// some types), the lock and the mark find a batch's rows through the queue's index (and each
 /// one's inbox row by its key) or by TID on a queue of 20k rows that autovacuum has not analysed
