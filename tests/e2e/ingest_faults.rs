@@ -164,6 +164,8 @@ async fn an_outage_is_one_line_naming_the_database_then_one_reconnected_line() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(status, 200, "{}", ingest.output());
+    // The answer can arrive before the process's log line has been read.
+    ingest.wait_for_line("answers again (reconnected)", Duration::from_secs(10));
     let logs = ingest.output();
     let failing: Vec<&str> = logs.lines().filter(|l| l.contains("the database is failing")).collect();
     assert_eq!(failing.len(), 1, "one line for the outage:\n{logs}");
