@@ -244,6 +244,7 @@ async fn the_relay_keda_query_counts_the_outbox_rows_a_claim_can_take() {
 
     let claim = inbox_domain::inbox::store::outbox::claim(
         &client,
+        None,
         16,
         100,
         i64::MAX,

@@ -1081,7 +1081,8 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
 /// cursor's periodic full scan, and every claim before the cursor) visits all 19,500.
 #[tokio::test]
 async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_at_the_dead_entries() {
-    use inbox_domain::inbox::store::queue::{ClaimCursor, CLAIM_PLANNER_SQL, CLAIM_SQL};
+    use inbox_domain::inbox::store::cursor::ClaimCursor;
+    use inbox_domain::inbox::store::queue::{CLAIM_PLANNER_SQL, CLAIM_SQL};
     let db = TestDb::new().await;
     let mut client = db.client().await;
     client
@@ -1117,7 +1118,7 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
         .await
         .unwrap();
         assert_eq!(claim.claimed.len() as i64, limit, "every claim takes its oldest rows");
-        cursor.advance(&claim);
+        cursor.advance(claim.resume_from);
         client
             .execute(
                 "UPDATE webhook_inbox SET processed_at = now() WHERE attempts = 1 AND processed_at IS NULL",

@@ -45,7 +45,7 @@ pub struct Context {
     pub fetcher: Option<Arc<crate::fetch::Fetcher>>,
     /// Where the next claim starts reading the queue (see `ClaimCursor`): the producer claims
     /// one batch at a time, the lock is held only to read or move it.
-    pub cursor: std::sync::Mutex<queue::ClaimCursor>,
+    pub cursor: std::sync::Mutex<inbox_domain::inbox::store::cursor::ClaimCursor>,
 }
 
 /// At most one wake-up of the relays (`NOTIFY outbox`) per interval from this worker, sent by the
@@ -306,7 +306,7 @@ async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String>
         .await
         .map_err(|e| describe_db_error(&e))?;
         ctx.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
-        ctx.cursor.lock().expect("cursor lock").advance(&rows);
+        ctx.cursor.lock().expect("cursor lock").advance(rows.resume_from);
         conn.set_clean(true);
         Ok(rows)
     };

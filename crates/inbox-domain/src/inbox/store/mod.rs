@@ -196,6 +196,7 @@ macro_rules! fenced {
 
 pub mod admin;
 pub mod console;
+pub mod cursor;
 pub mod fetch;
 pub mod gauges;
 pub mod ingest;

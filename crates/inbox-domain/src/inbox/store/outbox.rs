@@ -35,6 +35,8 @@ use std::time::{Duration, SystemTime};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Client;
 
+#[cfg(doc)]
+use super::cursor::ClaimCursor;
 use super::truncate_error;
 
 /// The condition of a *pending* outbox row (`o`): not published, not parked. A string literal, for
@@ -50,8 +52,9 @@ macro_rules! outbox_pending {
 /// its aggregate; for each, counts the attempt, adds one to its fencing token and leases it for
 /// `$3` seconds. Committed before any delivery starts.
 ///
-/// Plan: an ordered scan of `outbox_ready` from its start (rows leased, waiting or held are past
-/// now and not read), locking up to `$2` candidates with SKIP LOCKED; for each, one probe of
+/// Plan: an ordered scan of `outbox_ready` from `$5` (a [`ClaimCursor`]'s start; NULL: from the
+/// index's start; rows leased, waiting or held are past now and not read), locking up to `$2`
+/// candidates with SKIP LOCKED; for each, one probe of
 /// `outbox_unpublished_by_aggregate` finds its aggregate's first unpublished row. Candidates that
 /// are not their aggregate's first row are *held* (see the module's "One aggregate in order").
 ///
@@ -61,6 +64,14 @@ macro_rules! outbox_pending {
 /// limit was lowered. Returns each row claimed (`outcome` 'claimed'), parked ('parked'), and one
 /// row per held row ('held', payload NULL), so that the relay can tell a full claim from an empty
 /// queue.
+///
+/// Every row also carries `resume_from`, where the next claim may start: every ready row this
+/// claim found unlocked and did not take or hold is at or after it. That is the oldest candidate
+/// left over the budget; when none was, the newest of `$2` candidates, or the snapshot's `now()`
+/// when there were fewer (every ready row was read). A claim that took nothing returns one row
+/// of NULLs and `resume_from`. Why a start: the published mark leaves a dead entry at the front
+/// of `outbox_ready`, which a claim from its start steps over, and while a long snapshot is open
+/// nothing removes them (see [`ClaimCursor`]).
 pub const CLAIM_SQL: &str = concat!(
     "\
 WITH candidates AS (
@@ -69,7 +80,7 @@ WITH candidates AS (
       FROM outbox AS o
      WHERE ",
     outbox_pending!(),
-    " AND o.available_at <= now()
+    " AND o.available_at >= coalesce($5::timestamptz, '-infinity') AND o.available_at <= now()
      ORDER BY o.available_at, o.id
      LIMIT $2
        FOR UPDATE OF o SKIP LOCKED
@@ -84,13 +95,13 @@ WITH candidates AS (
               AND f.published_at IS NULL
             ORDER BY f.id
             LIMIT 1) AS f
+), budgeted AS (
+    SELECT id, attempts, bytes, available_at,
+           sum(bytes) OVER (ORDER BY available_at, id ROWS UNBOUNDED PRECEDING) - bytes AS before
+      FROM ranked
+     WHERE first_id = id
 ), picked AS (
-    SELECT id, attempts, bytes
-      FROM (SELECT id, attempts, bytes,
-                   sum(bytes) OVER (ORDER BY available_at, id ROWS UNBOUNDED PRECEDING) - bytes AS before
-              FROM ranked
-             WHERE first_id = id) AS r
-     WHERE before < $4
+    SELECT id, attempts, bytes FROM budgeted WHERE before < $4
 ), claimed AS (
     UPDATE outbox AS o
        SET attempts = o.attempts + 1,
@@ -125,12 +136,20 @@ WITH candidates AS (
      WHERE o.id = r.id AND r.first_id <> r.id
     RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, NULL::text AS payload,
               o.created_at, o.attempts, o.available_at, o.fencing_token, 0::int8 AS bytes, 'held' AS outcome
+), taken AS (
+    SELECT * FROM claimed
+    UNION ALL
+    SELECT * FROM exhausted
+    UNION ALL
+    SELECT * FROM held
+), resume AS (
+    SELECT coalesce((SELECT min(available_at) FROM budgeted WHERE before >= $4),
+                    (SELECT CASE WHEN count(*) >= $2 THEN max(available_at) END FROM candidates),
+                    now()) AS resume_from
 )
-SELECT * FROM claimed
-UNION ALL
-SELECT * FROM exhausted
-UNION ALL
-SELECT * FROM held"
+SELECT taken.*, resume.resume_from
+  FROM resume
+  LEFT JOIN taken ON true"
 );
 
 /// A claimed outbox row: what to deliver, and the claim (`attempts` and `leased_until`, the fence
@@ -172,11 +191,16 @@ pub struct OutboxClaim {
     pub parked: Vec<OutboxParked>,
     /// Rows held behind their aggregate's first undelivered row.
     pub held: usize,
+    /// Where the next claim may start (see [`CLAIM_SQL`]): what [`ClaimCursor::advance`] takes.
+    pub resume_from: Option<SystemTime>,
 }
 
-/// Runs [`CLAIM_SQL`] in a transaction of its own under `timeout` (see the worker's claim).
+/// Runs [`CLAIM_SQL`] in a transaction of its own under `timeout` (see the worker's claim), its
+/// scan starting at `since` (a [`ClaimCursor`]'s; None: the whole queue).
+#[allow(clippy::too_many_arguments)]
 pub async fn claim(
     client: &Client,
+    since: Option<SystemTime>,
     max_attempts: i32,
     limit: i64,
     budget: i64,
@@ -184,13 +208,21 @@ pub async fn claim(
     timeout: Duration,
 ) -> Result<OutboxClaim, tokio_postgres::Error> {
     let lease = lease.as_secs_f64();
-    let params: [(&(dyn ToSql + Sync), Type); 4] =
-        [(&max_attempts, Type::INT4), (&limit, Type::INT8), (&lease, Type::FLOAT8), (&budget, Type::INT8)];
+    let params: [(&(dyn ToSql + Sync), Type); 5] = [
+        (&max_attempts, Type::INT4),
+        (&limit, Type::INT8),
+        (&lease, Type::FLOAT8),
+        (&budget, Type::INT8),
+        (&since, Type::TIMESTAMPTZ),
+    ];
     let rows = super::query_in_own_transaction(client, timeout, CLAIM_SQL, &params).await?;
     let mut claim = OutboxClaim::default();
     for r in &rows {
-        match r.get::<_, &str>("outcome") {
-            "claimed" => claim.claimed.push(OutboxClaimed {
+        claim.resume_from = r.get("resume_from");
+        match r.get::<_, Option<&str>>("outcome") {
+            // The one row of a claim that took nothing.
+            None => {}
+            Some("claimed") => claim.claimed.push(OutboxClaimed {
                 id: r.get("id"),
                 aggregate_type: r.get("aggregate_type"),
                 aggregate_id: r.get("aggregate_id"),
@@ -202,14 +234,14 @@ pub async fn claim(
                 fencing_token: r.get("fencing_token"),
                 bytes: r.get("bytes"),
             }),
-            "parked" => claim.parked.push(OutboxParked {
+            Some("parked") => claim.parked.push(OutboxParked {
                 id: r.get("id"),
                 aggregate_type: r.get("aggregate_type"),
                 aggregate_id: r.get("aggregate_id"),
                 event_type: r.get("event_type"),
                 attempts: r.get("attempts"),
             }),
-            _ => claim.held += 1,
+            Some(_) => claim.held += 1,
         }
     }
     // Oldest first, as the claim picked them (UNION ALL keeps no order).

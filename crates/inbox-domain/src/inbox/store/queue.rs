@@ -5,6 +5,8 @@
 use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres::{Client, Row, Transaction};
 
+#[cfg(doc)]
+use super::cursor::ClaimCursor;
 use super::{key_columns, truncate_error, InboxKey};
 use crate::handler::ClaimFilter;
 use crate::inbox::event::InboxEvent;
@@ -251,67 +253,6 @@ pub struct Claim {
     pub parked: Vec<Claimed>,
     /// Where the next claim may start (see [`CLAIM_SQL`]): what [`ClaimCursor::advance`] takes.
     pub resume_from: Option<std::time::SystemTime>,
-}
-
-/// Where a worker's claims start reading the queue: a little before where its last claim left
-/// off, and from the front of the queue every few seconds.
-///
-/// A claim that starts at the front of each type's part of `webhook_inbox_queue_by_type` steps
-/// over the dead entries that every claimed and processed row leaves there. Vacuum and page
-/// pruning remove them in the steady state; while a snapshot older than them is open (a reporting
-/// query held for minutes) nothing can, and each claim reads all of them: the soak measured the
-/// workers falling from 1200 to ~600 events/s under a 5-minute snapshot. Started from the oldest
-/// ready row the last claim left, a claim reads only the entries of the last moments.
-///
-/// What a start later than the front can miss, and why the full scans are enough: a row whose
-/// availability is older than the start when it becomes visible to claims — an insert whose
-/// transaction committed more than [`ClaimCursor::SLACK`] after its `now()`, rows another worker's
-/// claim had locked and then rolled back. Nothing else becomes ready in the past: a retry, a lease
-/// and a hand-back are set to a time after `now()`, a requeue to `now()`. Such a row waits for the
-/// next full scan, at most [`ClaimCursor::FULL_SCAN_EVERY`]; no row is ever left behind.
-#[derive(Debug, Clone)]
-pub struct ClaimCursor {
-    /// The start of the next claim; None: the next claim reads the whole queue.
-    since: Option<std::time::SystemTime>,
-    /// When the next claim reads the whole queue again.
-    full_scan_at: std::time::Instant,
-}
-
-impl ClaimCursor {
-    /// How far before where the last claim left off the next one starts: covers inserts that
-    /// commit shortly after their `now()` (the ingest's group commits take milliseconds).
-    pub const SLACK: std::time::Duration = std::time::Duration::from_secs(2);
-    /// How often a claim reads the whole queue: the longest a row ready before the start waits.
-    pub const FULL_SCAN_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
-
-    /// A cursor whose first claim reads the whole queue.
-    pub fn new() -> Self {
-        ClaimCursor { since: None, full_scan_at: std::time::Instant::now() }
-    }
-
-    /// Where the next claim starts (`$5` of [`CLAIM_SQL`]): None when a full scan is due.
-    pub fn start(&mut self) -> Option<std::time::SystemTime> {
-        let now = std::time::Instant::now();
-        if now >= self.full_scan_at {
-            self.full_scan_at = now + Self::FULL_SCAN_EVERY;
-            return None;
-        }
-        self.since
-    }
-
-    /// After a claim that committed: the next starts [`ClaimCursor::SLACK`] before where it left
-    /// off (`resume_from`).
-    pub fn advance(&mut self, claim: &Claim) {
-        if let Some(from) = claim.resume_from {
-            self.since = from.checked_sub(Self::SLACK);
-        }
-    }
-}
-
-impl Default for ClaimCursor {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 /// Runs [`CLAIM_SQL`] for up to `limit` rows and `budget` payload bytes (see there), in a
