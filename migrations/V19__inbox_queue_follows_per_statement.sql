@@ -13,6 +13,14 @@
 -- kept whole rows of them (as DELETE … USING a transition table does, for its recheck) would
 -- fetch every row's out-of-line payload.
 --
+-- The delete finds each entry by its key, by a probe of the primary key per row, whatever the
+-- planner estimates: the function turns off sequential scans, hash joins and merge joins for its
+-- own statements. The queue table is as short as the backlog, so the planner would read all of
+-- it for each statement (a hash join over a sequential scan, or over a full index scan) — cheap
+-- until a long snapshot is open elsewhere, while the table keeps every dead entry of every claim
+-- and mark: in the soak, each claim and mark then read hundreds of thousands of them, and the
+-- workers stalled for ten seconds.
+--
 -- What the queue holds does not change: a row is there while it is neither processed nor parked,
 -- with its event type, availability and arrival. After an UPDATE:
 -- * the entries of rows that left (processed, parked) or changed their key are deleted, unless
@@ -32,6 +40,9 @@ CREATE OR REPLACE FUNCTION webhook_inbox_queue_follow() RETURNS trigger
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = public, pg_temp
+SET enable_seqscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $function$
 BEGIN
     DELETE FROM webhook_inbox_queue AS q
