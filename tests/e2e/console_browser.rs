@@ -15,6 +15,7 @@ use inbox_test_support::browser::Browser;
 use inbox_test_support::console::{
     console_command, http_client, seed_showcase, sign_in, start_console, UsersFile, PASSWORD, SESSION_COOKIE,
 };
+use inbox_test_support::db::column;
 use inbox_test_support::process::{command, Proc};
 use inbox_test_support::TestDb;
 use serde_json::json;
@@ -438,13 +439,8 @@ async fn every_page_renders_with_a_days_data_and_a_filtered_requeue_asks_before_
     shoot("outbox.png").await;
 
     browser.goto(&format!("{base}/reconciliation")).await;
-    let open: Vec<i64> = client
-        .query("SELECT id FROM reconciliation_items WHERE resolved_at IS NULL ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let open: Vec<i64> =
+        column(&client, "SELECT id FROM reconciliation_items WHERE resolved_at IS NULL ORDER BY id").await;
     assert_eq!(open.len(), 2);
     for id in &open {
         assert!(browser.exists(&format!("#resolve-form-{id}")).await, "#resolve-form-{id}");

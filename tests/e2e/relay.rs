@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use base64::Engine as _;
-use inbox_test_support::db::scalar;
+use inbox_test_support::db::{column, scalar};
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::receiver::{Receiver, Reply};
@@ -502,28 +502,14 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
     let mut buffers = Vec::new();
     for start in [format!("'{since}'"), "NULL".to_owned()] {
         let tx = client.transaction().await.unwrap();
-        let plan: Vec<String> = tx
-            .query(
-                &format!(
-                    "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE claim(16, 32, 120.0, 33554432, {start})"
-                ),
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let claimed: Vec<String> = tx
-            .query(
-                "SELECT aggregate_id FROM outbox WHERE attempts = 1 AND published_at IS NULL ORDER BY id",
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let explain =
+            format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE claim(16, 32, 120.0, 33554432, {start})");
+        let plan: Vec<String> = column(&tx, &explain).await;
+        let claimed: Vec<String> = column(
+            &tx,
+            "SELECT aggregate_id FROM outbox WHERE attempts = 1 AND published_at IS NULL ORDER BY id",
+        )
+        .await;
         tx.rollback().await.unwrap();
         let plan = plan.join("\n");
         assert_eq!(claimed, expected, "from {start}, the oldest 32 ready rows: {plan}");

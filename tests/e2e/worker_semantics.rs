@@ -1000,13 +1000,7 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
     }
     queue_rows(&client, 20_000, "invoice.paid").await;
     for (name, _, _, args, access) in &statements {
-        let plan: Vec<String> = client
-            .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}"), &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let plan: Vec<String> = column(&client, &format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}")).await;
         let plan = plan.join("\n");
         let other_scans = plan
             .lines()
@@ -1148,25 +1142,14 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
     let mut visited = Vec::new();
     for start in [format!("'{since}'"), "NULL".to_owned()] {
         let tx = client.transaction().await.unwrap();
-        let plan: Vec<String> = tx
-            .query(
-                &format!(
-                    "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE claim(10, 32, 30.0, 33554432, {start})"
-                ),
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let oldest: Vec<String> = tx
-            .query("SELECT event_id FROM webhook_inbox WHERE attempts = 1 AND processed_at IS NULL ORDER BY received_at", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let explain =
+            format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE claim(10, 32, 30.0, 33554432, {start})");
+        let plan: Vec<String> = column(&tx, &explain).await;
+        let oldest: Vec<String> = column(
+            &tx,
+            "SELECT event_id FROM webhook_inbox WHERE attempts = 1 AND processed_at IS NULL ORDER BY received_at",
+        )
+        .await;
         tx.rollback().await.unwrap();
         let plan = plan.join("\n");
         let expected: Vec<String> = (19_501..19_533).map(|i| format!("evt_{i}")).collect();
@@ -1259,25 +1242,13 @@ async fn a_typed_claim_reads_the_rows_of_its_types_not_the_unhandled_rows_queued
     .await
     .unwrap();
     let exact = format!("'{{{}}}'", filter.exact.join(","));
-    let plan: Vec<String> = tx
-        .query(
-            &format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE typed(10, 32, 30.0, 33554432, NULL, {exact}, '{{}}', '{{}}')"),
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let claimed: i64 =
-        tx.query_one("SELECT count(*) FROM webhook_inbox WHERE attempts = 1", &[]).await.unwrap().get(0);
-    let types: Vec<String> = tx
-        .query("SELECT DISTINCT event_type FROM webhook_inbox WHERE attempts = 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let explain = format!(
+        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE typed(10, 32, 30.0, 33554432, NULL, {exact}, '{{}}', '{{}}')"
+    );
+    let plan: Vec<String> = column(&tx, &explain).await;
+    let claimed = scalar(&tx, "SELECT count(*) FROM webhook_inbox WHERE attempts = 1").await;
+    let types: Vec<String> =
+        column(&tx, "SELECT DISTINCT event_type FROM webhook_inbox WHERE attempts = 1").await;
     tx.rollback().await.unwrap();
     let plan = plan.join("\n");
     assert_eq!(claimed, 32, "{plan}");

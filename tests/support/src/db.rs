@@ -54,13 +54,17 @@ pub async fn connect(config: &Config) -> Client {
     client
 }
 
-/// One `SELECT count(*) …` (or any single bigint) query.
-pub async fn scalar(client: &Client, sql: &str) -> i64 {
+/// One `SELECT count(*) …` (or any single bigint) query, on a client or inside a transaction.
+pub async fn scalar(client: &(impl tokio_postgres::GenericClient + Sync), sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
-/// The first column of every row of `sql`.
-pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(client: &Client, sql: &str) -> Vec<T> {
+/// The first column of every row of `sql`, on a client or inside a transaction (an `EXPLAIN`'s
+/// lines, a list of ids).
+pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    sql: &str,
+) -> Vec<T> {
     client.query(sql, &[]).await.unwrap().iter().map(|r| r.get(0)).collect()
 }
 
