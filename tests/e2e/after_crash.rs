@@ -417,6 +417,9 @@ async fn after_postgres_crashed_the_worker_analyses_the_inbox_so_that_autovacuum
         analysed.dead > 1000 + analysed.live / 100,
         "the analyse counts the dead tuples again, beyond autovacuum's threshold: {analysed:?}"
     );
+    // The analyse can show in the statistics before the worker's log lines have been read.
+    worker.wait_for_line("analysed webhook_inbox", Duration::from_secs(10));
+    worker.wait_for_line("analysed outbox", Duration::from_secs(10));
     let line = worker
         .output()
         .lines()
