@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use base64::Engine as _;
-use inbox_test_support::db::{column, scalar};
+use inbox_test_support::db::{explain_rolled_back, scalar};
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::receiver::{Receiver, Reply};
@@ -501,17 +501,12 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
         .unwrap();
     let mut buffers = Vec::new();
     for start in [format!("'{since}'"), "NULL".to_owned()] {
-        let tx = client.transaction().await.unwrap();
-        let explain =
-            format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE claim(16, 32, 120.0, 33554432, {start})");
-        let plan: Vec<String> = column(&tx, &explain).await;
-        let claimed: Vec<String> = column(
-            &tx,
+        let (plan, claimed) = explain_rolled_back(
+            &mut client,
+            &format!("EXECUTE claim(16, 32, 120.0, 33554432, {start})"),
             "SELECT aggregate_id FROM outbox WHERE attempts = 1 AND published_at IS NULL ORDER BY id",
         )
         .await;
-        tx.rollback().await.unwrap();
-        let plan = plan.join("\n");
         assert_eq!(claimed, expected, "from {start}, the oldest 32 ready rows: {plan}");
         // The buffers of the scan of outbox_ready (the next line that counts them): its index
         // pages, and the table's pages of each entry it visits, dead or live.

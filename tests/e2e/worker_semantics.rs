@@ -8,7 +8,7 @@ use std::time::Duration;
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::{self, Failure};
-use inbox_test_support::db::{column, scalar, slow_writes};
+use inbox_test_support::db::{column, explain_rolled_back, scalar, slow_writes};
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, claim_for, eventually, execute, pool, store_event, test_limits};
 use inbox_test_support::TestDb;
@@ -1141,17 +1141,12 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
         .unwrap();
     let mut visited = Vec::new();
     for start in [format!("'{since}'"), "NULL".to_owned()] {
-        let tx = client.transaction().await.unwrap();
-        let explain =
-            format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE claim(10, 32, 30.0, 33554432, {start})");
-        let plan: Vec<String> = column(&tx, &explain).await;
-        let oldest: Vec<String> = column(
-            &tx,
+        let (plan, oldest) = explain_rolled_back(
+            &mut client,
+            &format!("EXECUTE claim(10, 32, 30.0, 33554432, {start})"),
             "SELECT event_id FROM webhook_inbox WHERE attempts = 1 AND processed_at IS NULL ORDER BY received_at",
         )
         .await;
-        tx.rollback().await.unwrap();
-        let plan = plan.join("\n");
         let expected: Vec<String> = (19_501..19_533).map(|i| format!("evt_{i}")).collect();
         assert_eq!(oldest, expected, "from {start}, the oldest 32 ready rows: {plan}");
         // The rows the queue's index scans visited in the table: its dead entries and the live.

@@ -68,6 +68,21 @@ pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(
     client.query(sql, &[]).await.unwrap().iter().map(|r| r.get(0)).collect()
 }
 
+/// `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF)` of `statement` in a transaction that is then rolled
+/// back, with the first column of `read_back`'s rows read in it before the rollback: what a claim
+/// would take and how it would read the tables, leaving them as they were.
+pub async fn explain_rolled_back(
+    client: &mut Client,
+    statement: &str,
+    read_back: &str,
+) -> (String, Vec<String>) {
+    let tx = client.transaction().await.unwrap();
+    let plan: Vec<String> = column(&tx, &format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {statement}")).await;
+    let rows = column(&tx, read_back).await;
+    tx.rollback().await.unwrap();
+    (plan.join("\n"), rows)
+}
+
 /// A fault injected for real: every row written to `table` sleeps `seconds` in a trigger named
 /// `slow`, fired `when` (`BEFORE INSERT`, `AFTER INSERT`, `BEFORE UPDATE`, …). `DROP TRIGGER slow ON
 /// <table>` lifts it.
