@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use base64::Engine as _;
-use inbox_test_support::db::{explain_rolled_back, scalar};
+use inbox_test_support::db::{explain_rolled_back, hold_snapshot, scalar, timestamptz_literal};
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::receiver::{Receiver, Reply};
@@ -458,11 +458,7 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
         .await
         .unwrap();
     client.batch_execute("VACUUM ANALYZE outbox").await.unwrap();
-    let reporting = db.client().await;
-    reporting
-        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox;")
-        .await
-        .unwrap();
+    let reporting = hold_snapshot(&db, "outbox").await;
 
     let mut cursor = ClaimCursor::new();
     let mut resume_from = None;
@@ -491,7 +487,7 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
     }
     assert_eq!(unpublished(&client).await, 500);
     let since = resume_from.unwrap() - ClaimCursor::SLACK;
-    let since: String = client.query_one("SELECT $1::timestamptz::text", &[&since]).await.unwrap().get(0);
+    let since = timestamptz_literal(&client, since).await;
     let expected: Vec<String> = (19_501..19_533).map(|i| format!("in_{i}")).collect();
 
     client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
@@ -500,7 +496,7 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
         .await
         .unwrap();
     let mut buffers = Vec::new();
-    for start in [format!("'{since}'"), "NULL".to_owned()] {
+    for start in [since, "NULL".to_owned()] {
         let (plan, claimed) = explain_rolled_back(
             &mut client,
             &format!("EXECUTE claim(16, 32, 120.0, 33554432, {start})"),

@@ -8,7 +8,9 @@ use std::time::Duration;
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::{self, Failure};
-use inbox_test_support::db::{column, explain_rolled_back, scalar, slow_writes};
+use inbox_test_support::db::{
+    column, explain_rolled_back, hold_snapshot, scalar, slow_writes, timestamptz_literal,
+};
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, claim_for, eventually, execute, pool, store_event, test_limits};
 use inbox_test_support::TestDb;
@@ -1096,11 +1098,7 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
         .await
         .unwrap();
     client.batch_execute("VACUUM ANALYZE webhook_inbox, webhook_inbox_queue").await.unwrap();
-    let reporting = db.client().await;
-    reporting
-        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM webhook_inbox;")
-        .await
-        .unwrap();
+    let reporting = hold_snapshot(&db, "webhook_inbox").await;
 
     let mut cursor = ClaimCursor::new();
     let mut resume_from = None;
@@ -1131,7 +1129,7 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
     assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 500);
     // Where the next claim starts: the cursor's start, unless its full scan is due.
     let since = resume_from.unwrap() - ClaimCursor::SLACK;
-    let since: String = client.query_one("SELECT $1::timestamptz::text", &[&since]).await.unwrap().get(0);
+    let since = timestamptz_literal(&client, since).await;
 
     client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
     client.batch_execute(&CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
@@ -1140,7 +1138,7 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
         .await
         .unwrap();
     let mut visited = Vec::new();
-    for start in [format!("'{since}'"), "NULL".to_owned()] {
+    for start in [since, "NULL".to_owned()] {
         let (plan, oldest) = explain_rolled_back(
             &mut client,
             &format!("EXECUTE claim(10, 32, 30.0, 33554432, {start})"),

@@ -68,6 +68,24 @@ pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(
     client.query(sql, &[]).await.unwrap().iter().map(|r| r.get(0)).collect()
 }
 
+/// A session holding a `REPEATABLE READ` snapshot taken by a read of `table`, as a report left
+/// open does: while it is open no row version that dies can be removed. Commit it to let go.
+pub async fn hold_snapshot(db: &TestDb, table: &str) -> Client {
+    let reporting = db.client().await;
+    reporting
+        .batch_execute(&format!("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM {table};"))
+        .await
+        .unwrap();
+    reporting
+}
+
+/// `at` as a quoted `timestamptz` literal, as the server prints it (microseconds kept), for a
+/// statement written out in full (`EXPLAIN … EXECUTE`).
+pub async fn timestamptz_literal(client: &Client, at: std::time::SystemTime) -> String {
+    let text: String = client.query_one("SELECT $1::timestamptz::text", &[&at]).await.unwrap().get(0);
+    format!("'{text}'")
+}
+
 /// `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF)` of `statement` in a transaction that is then rolled
 /// back, with the first column of `read_back`'s rows read in it before the rollback: what a claim
 /// would take and how it would read the tables, leaving them as they were.
