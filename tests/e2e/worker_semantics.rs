@@ -936,7 +936,7 @@ async fn the_queue_table_follows_every_write_of_the_inbox_however_many_rows_a_st
 /// were a quarter of PostgreSQL's CPU in the benchmark's drain. And the call finds the batch's
 /// entries by key, never by reading the whole queue table: the table is small, so the planner
 /// likes a sequential scan of it, but while a long snapshot is open it keeps every dead entry,
-/// and a scan per claim and per mark then reads them all (a 10-second stall in the soak).
+/// and a scan per claim and per mark then reads them all (the workers fell 17 s behind in the soak).
 #[tokio::test]
 async fn a_batch_leased_or_processed_in_one_statement_keeps_the_queue_table_in_one_trigger_call_by_key() {
     let db = TestDb::new().await;
