@@ -9,6 +9,7 @@ use deadpool_postgres::Pool;
 use inbox_domain::budget::ByteBudget;
 use inbox_domain::db::{describe_db_error, OutageLog};
 use inbox_domain::handler::{ClaimFilter, Registry};
+use inbox_domain::inbox::store::cursor::ClaimCursor;
 use inbox_domain::inbox::store::queue::{self, Claim, Claimed, Failure};
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
@@ -43,9 +44,6 @@ pub struct Context {
     pub wake_relays: RelayWake,
     /// `fetch`: gets the objects a batch's thin events name before the batch is applied.
     pub fetcher: Option<Arc<crate::fetch::Fetcher>>,
-    /// Where the next claim starts reading the queue (see `ClaimCursor`): the producer claims
-    /// one batch at a time, the lock is held only to read or move it.
-    pub cursor: std::sync::Mutex<inbox_domain::inbox::store::cursor::ClaimCursor>,
 }
 
 /// At most one wake-up of the relays (`NOTIFY outbox`) per interval from this worker, sent by the
@@ -104,16 +102,19 @@ impl Capacity {
 
 /// A queue the producer claims from and hands batches of to tasks: the inbox (`run`, this
 /// module's [`Context`]) or the outbox (`relay`). The producer owns what both share — capacity
-/// (rows, transactions and bytes in flight), the wake-ups, the backoff of failing claims and the
-/// stop at shutdown; the queue says how to claim and how to work a batch.
+/// (rows, transactions and bytes in flight), where each claim starts reading the queue (a
+/// [`ClaimCursor`]), the wake-ups, the backoff of failing claims and the stop at shutdown; the
+/// queue says how to claim and how to work a batch.
 pub trait Work: Send + Sync + 'static {
     /// A claimed row.
     type Row: Send + 'static;
-    /// Claims up to `want` rows whose bytes stay within `budget` (the first row always).
+    /// Claims up to `want` rows whose bytes stay within `budget` (the first row always), reading
+    /// the queue from `since` (None: from its front).
     fn claim(
         &self,
         want: usize,
         budget: i64,
+        since: Option<SystemTime>,
     ) -> impl Future<Output = Result<Batch<Self::Row>, String>> + Send;
     /// What holding `row` costs in memory.
     fn bytes(row: &Self::Row) -> u64;
@@ -146,6 +147,8 @@ pub struct Batch<R> {
     /// The claim took as many places as it was given (rows claimed, and rows it parked or held):
     /// more may be ready, so the producer claims again at once.
     pub full: bool,
+    /// Where the next claim may start reading the queue (the claim's `resume_from`).
+    pub resume_from: Option<SystemTime>,
 }
 
 /// Claims and dispatches until shutdown; returns the tasks still in flight.
@@ -164,6 +167,7 @@ pub async fn run<W: Work>(
     // While batches are in flight, a claim waits for room for half a batch: places given back
     // row by row (the relay's) would otherwise make claims of a row or two, each a round trip.
     let min_claim = capacity.batch_size.div_ceil(2).max(1);
+    let mut cursor = ClaimCursor::new();
     loop {
         while let Some(done) = tasks.try_join_next() {
             report_task_end(done);
@@ -185,8 +189,9 @@ pub async fn run<W: Work>(
         }
         let want = free_events.min(capacity.batch_size);
         let budget = i64::try_from(free_bytes).unwrap_or(i64::MAX);
-        let batch = match work.claim(want, budget).await {
+        let batch = match work.claim(want, budget, cursor.start()).await {
             Ok(batch) => {
+                cursor.advance(batch.resume_from);
                 work.outage().succeeded();
                 retry_delay = poll_interval.min(Duration::from_millis(500));
                 batch
@@ -205,7 +210,7 @@ pub async fn run<W: Work>(
                 continue;
             }
         };
-        let Batch { rows, full } = batch;
+        let Batch { rows, full, .. } = batch;
         work.observe_claim(rows.len());
         if !rows.is_empty() {
             let bytes: u64 = rows.iter().map(W::bytes).sum();
@@ -251,12 +256,17 @@ pub async fn drain(mut in_flight: JoinSet<()>, timeout: Duration, abandoned: &st
 impl Work for Context {
     type Row = Claimed;
 
-    async fn claim(&self, want: usize, budget: i64) -> Result<Batch<Claimed>, String> {
-        let claim = claim(self, want, budget).await?;
+    async fn claim(
+        &self,
+        want: usize,
+        budget: i64,
+        since: Option<SystemTime>,
+    ) -> Result<Batch<Claimed>, String> {
+        let claim = claim(self, want, budget, since).await?;
         report_parked(self, &claim.parked);
         // Rows the claim parked took places of its limit too: then more may be ready as well.
         let full = claim.claimed.len() + claim.parked.len() == want;
-        Ok(Batch { rows: claim.claimed, full })
+        Ok(Batch { rows: claim.claimed, full, resume_from: claim.resume_from })
     }
 
     fn bytes(row: &Claimed) -> u64 {
@@ -288,11 +298,10 @@ fn report_task_end(done: Result<(), tokio::task::JoinError>) {
     }
 }
 
-async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String> {
+async fn claim(ctx: &Context, want: usize, budget: i64, since: Option<SystemTime>) -> Result<Claim, String> {
     let claim = async {
         let mut conn = Conn::get(&ctx.pool).await?;
         let started = Instant::now();
-        let since = ctx.cursor.lock().expect("cursor lock").start();
         let rows = queue::claim(
             conn.client(),
             &ctx.claims,
@@ -306,7 +315,6 @@ async fn claim(ctx: &Context, want: usize, budget: i64) -> Result<Claim, String>
         .await
         .map_err(|e| describe_db_error(&e))?;
         ctx.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
-        ctx.cursor.lock().expect("cursor lock").advance(rows.resume_from);
         conn.set_clean(true);
         Ok(rows)
     };

@@ -240,7 +240,6 @@ where
         shutdown: shutdown.clone(),
         outage: inbox_domain::db::OutageLog::new(settings.database.target()),
         wake_relays: producer::RelayWake::new(RELAY_NOTIFY_INTERVAL),
-        cursor: Default::default(),
         fetcher: settings.fetcher.clone(),
     });
     let in_flight = producer::run(ctx, settings.capacity, settings.poll_interval, wake).await;

@@ -31,7 +31,6 @@ use inbox_domain::config::{parse_byte_size, parse_duration};
 use inbox_domain::db::{
     build_pool, check_reachable, describe_db_error, DatabaseConfig, OutageLog, PoolOptions,
 };
-use inbox_domain::inbox::store::cursor::ClaimCursor;
 use inbox_domain::inbox::store::outbox::{self, DeliveryFailure, Fence, OutboxClaimed};
 use tokio_util::sync::CancellationToken;
 
@@ -318,9 +317,6 @@ pub struct Relay {
     metrics: RelayMetrics,
     shutdown: CancellationToken,
     outage: OutageLog,
-    /// Where the next claim starts reading `outbox_ready` (see `ClaimCursor`): the producer
-    /// claims one batch at a time, so the lock is never contended.
-    cursor: std::sync::Mutex<ClaimCursor>,
 }
 
 /// Delivers until `shutdown` is cancelled, then drains.
@@ -420,7 +416,6 @@ where
         metrics,
         shutdown: shutdown.clone(),
         outage: OutageLog::new(settings.database.target()),
-        cursor: Default::default(),
     });
     let in_flight = crate::producer::run(relay, settings.capacity, settings.poll_interval, wake).await;
     crate::producer::drain(
@@ -473,10 +468,14 @@ impl DeliveryOutcome {
 impl Work for Relay {
     type Row = OutboxClaimed;
 
-    async fn claim(&self, want: usize, budget: i64) -> Result<Batch<OutboxClaimed>, String> {
+    async fn claim(
+        &self,
+        want: usize,
+        budget: i64,
+        since: Option<SystemTime>,
+    ) -> Result<Batch<OutboxClaimed>, String> {
         let claim = async {
             let mut conn = Conn::get(&self.pool).await?;
-            let since = self.cursor.lock().expect("cursor lock").start();
             let claim = outbox::claim(
                 conn.client(),
                 since,
@@ -488,7 +487,6 @@ impl Work for Relay {
             )
             .await
             .map_err(|e| describe_db_error(&e))?;
-            self.cursor.lock().expect("cursor lock").advance(claim.resume_from);
             conn.set_clean(true);
             Ok(claim)
         };
@@ -508,7 +506,7 @@ impl Work for Relay {
             );
         }
         let full = claim.claimed.len() + claim.parked.len() + claim.held == want;
-        Ok(Batch { rows: claim.claimed, full })
+        Ok(Batch { rows: claim.claimed, full, resume_from: claim.resume_from })
     }
 
     fn bytes(row: &OutboxClaimed) -> u64 {
