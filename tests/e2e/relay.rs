@@ -177,7 +177,10 @@ async fn a_relay_that_lost_its_lease_never_marks_or_fails_the_row_another_relay_
     .await;
     assert!(published, "{}", second.output());
     first.signal(libc::SIGCONT);
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Resumed, the first relay tries to record its outcome and says it was not recorded.
+    let said =
+        |output: &str| output.contains("\"outcome\":\"superseded\"") || output.contains("\"recorded\":false");
+    let fenced = eventually(TIMEOUT, || async { said(&first.output()) }).await;
 
     let row = client
         .query_one(
@@ -192,11 +195,7 @@ async fn a_relay_that_lost_its_lease_never_marks_or_fails_the_row_another_relay_
     assert!(row.get::<_, bool>(3));
     let tokens: Vec<i64> = receiver.deliveries().iter().map(|d| d.fencing_token).collect();
     assert_eq!(tokens, [1, 2], "each claim delivered once, with its own token");
-    let first_output = first.output();
-    assert!(
-        first_output.contains("\"outcome\":\"superseded\"") || first_output.contains("\"recorded\":false"),
-        "the first relay says its outcome was not recorded:\n{first_output}"
-    );
+    assert!(fenced, "the first relay says its outcome was not recorded:\n{}", first.output());
     drop((first, second));
 }
 

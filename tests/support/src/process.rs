@@ -41,6 +41,9 @@ pub struct Proc {
     lines: Arc<Mutex<Vec<String>>>,
     stdout: Arc<Mutex<Vec<String>>>,
     rx: mpsc::Receiver<String>,
+    /// The threads reading stdout and stderr: each ends at its stream's end, so once both ended
+    /// after the process exited, `output()` holds every line it printed.
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Proc {
@@ -50,13 +53,14 @@ impl Proc {
         let lines: Arc<Mutex<Vec<String>>> = Arc::default();
         let stdout: Arc<Mutex<Vec<String>>> = Arc::default();
         let (tx, rx) = mpsc::channel();
+        let mut readers = Vec::new();
         for (stream, own) in [
             (Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>, None),
             (Box::new(child.stdout.take().unwrap()), Some(stdout.clone())),
         ] {
             let lines = lines.clone();
             let tx = tx.clone();
-            std::thread::spawn(move || {
+            readers.push(std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
                     lines.lock().unwrap().push(line.clone());
                     if let Some(own) = &own {
@@ -64,9 +68,9 @@ impl Proc {
                     }
                     let _ = tx.send(line);
                 }
-            });
+            }));
         }
-        Proc { child, lines, stdout, rx }
+        Proc { child, lines, stdout, rx, readers }
     }
 
     /// Waits for an output line containing `needle` and returns it.
@@ -81,6 +85,24 @@ impl Proc {
                     panic!("no line containing {needle:?} within {timeout:?}; output:\n{}", self.output())
                 }
             }
+        }
+    }
+
+    /// Waits until what the process printed contains `needle` (whether or not `wait_for_line`
+    /// already passed that line) and returns all of it. For a line written after something the
+    /// test observed outside the process (an HTTP answer, a row), which its reader thread may
+    /// not have read yet.
+    pub fn wait_for_output(&self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let output = self.output();
+            if output.contains(needle) {
+                return output;
+            }
+            if Instant::now() > deadline {
+                panic!("no output containing {needle:?} within {timeout:?}; output:\n{output}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -99,13 +121,18 @@ impl Proc {
         assert_eq!(rc, 0, "kill failed");
     }
 
-    /// Waits for the exit status, killing the process after `timeout`.
+    /// Waits for the exit status, killing the process after `timeout`; then for the reader
+    /// threads to reach the end of its output, so that `output()` holds all of it.
     pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                // Let the reader threads drain the pipes.
-                std::thread::sleep(Duration::from_millis(50));
+                // The pipes end when the process and anything that inherited them are gone; a
+                // descendant still holding one is not waited for past the deadline.
+                let drained = Instant::now() + Duration::from_secs(10);
+                while self.readers.iter().any(|r| !r.is_finished()) && Instant::now() < drained {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 return status;
             }
             if Instant::now() > deadline {
