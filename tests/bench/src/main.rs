@@ -174,6 +174,12 @@ pub struct Args {
     /// Also copy the soak phase's SVG charts to docs/performance/soak/.
     #[arg(long)]
     soak_publish: bool,
+    /// Also attribute the soak's WAL to the tables it changed (indexes with their table, TOAST apart),
+    /// from every record's description (`pg_get_wal_records_info`). It costs the server ~2 s of
+    /// CPU per 10 s of WAL at 800 events/s (a fifth of a core), so its run's CPU and latency
+    /// figures are not the default's.
+    #[arg(long)]
+    soak_wal_by_table: bool,
     /// An extra argument for every `inbox-ingest` the bench starts (repeatable), to measure an
     /// option beside the defaults, e.g. `--ingest-arg=--keep-raw`.
     #[arg(long, allow_hyphen_values = true)]
@@ -533,6 +539,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "soak_snapshot_s": a.soak_snapshot.as_secs_f64(),
         "soak_rate": a.soak_rate,
         "soak_publish": a.soak_publish,
+        "soak_wal_by_table": a.soak_wal_by_table,
         "pgbench_threads": a.pgbench_threads,
         "loadgen_threads": a.loadgen_threads,
         "body_bytes": payload::invoice_paid_template()

@@ -568,6 +568,23 @@ fn soak_rows(t: &mut Table, s: &Value) {
     let row = t.add("     WAL bytes / event (the whole cluster's WAL)", f(&s["wal_bytes_per_event"], 0));
     row.target = "≤ 2048".into();
     row.ok = wal.map(|w| w <= 2048.0);
+    for (key, what) in [("wal_by_record_type", "record type"), ("wal_by_table", "table")] {
+        let Some(parts) = s[key]["parts"].as_array() else { continue };
+        // The five largest: record bytes + full-page images per event, for each.
+        let top: Vec<String> = parts
+            .iter()
+            .take(5)
+            .map(|k| {
+                let (rec, fpi) = (&k["record_bytes_per_event"], &k["fpi_bytes_per_event"]);
+                format!("{} {}+{}", k["name"].as_str().unwrap_or("?"), f(rec, 0), f(fpi, 0))
+            })
+            .collect();
+        let images = s[key]["full_page_image_share"].as_f64().map(|x| x * 100.0);
+        t.add(
+            format!("     WAL by {what}, B / event (records + full-page images), largest 5"),
+            format!("{}; images {}% of all", top.join(", "), f(&json!(images), 0)),
+        );
+    }
     t.add("     commits / event", f(&s["commits_per_event"], 2));
     let d = &s["dead_index_entries_per_event"];
     let row = t.add(

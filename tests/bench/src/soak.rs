@@ -47,7 +47,8 @@ const CHUNK: Duration = Duration::from_secs(10);
 /// batch transaction that started before then has committed when the sample reads.
 const LAG_S: f64 = 2.0;
 
-/// The sampler's own transactions per sample (flush, counters, tables, sizes, queue, window).
+/// The sampler's own transactions per sample (flush, counters, tables, sizes, queue, window; and
+/// the WAL by record type when the server lets it read that).
 const OWN_XACTS: i64 = 6;
 
 /// Resolution of the receive→processed histogram kept per sample: buckets of ln(ms) × this
@@ -172,6 +173,8 @@ struct Probe {
     /// The server's clock, epoch seconds.
     server_s: f64,
     lsn: i64,
+    /// The WAL flushed to disk (what `pg_get_wal_stats` may read up to), bytes from 0/0.
+    flush_lsn: i64,
     commits: i64,
     tables: BTreeMap<String, TableStats>,
     /// (table, "heap" | "TOAST" | index name) → bytes.
@@ -368,6 +371,41 @@ fn postgres_private_kib(postmaster: u32) -> Option<u64> {
     Some(total)
 }
 
+/// The WAL between two flush positions (`$1`, `$2`: bytes from 0/0) by record type: (type, NULL,
+/// records, record bytes, full-page image bytes). `pg_get_wal_stats` only counts; cheap.
+const WAL_BY_TYPE_SQL: &str = r#"
+SELECT "resource_manager/record_type", NULL::text, count, record_size, fpi_size
+  FROM pg_get_wal_stats('0/0'::pg_lsn + $1::text::numeric, '0/0'::pg_lsn + $2::text::numeric, true)
+ WHERE count > 0"#;
+
+/// The same by record type and by the table each record changed, read from each record's first
+/// block reference (`rel <tablespace>/<database>/<filenode>`): an index counts as its table, a TOAST
+/// table and its index as "<table> TOAST" (where a payload's bytes go); another database's records
+/// as "(other databases)". Every record
+/// is described as text, so this costs far more than [`WAL_BY_TYPE_SQL`].
+const WAL_BY_TABLE_SQL: &str = r#"
+WITH r AS (
+  SELECT regexp_match(block_ref, '^blkref #0: rel \d+/(\d+)/(\d+)') AS m,
+         resource_manager || '/' || record_type AS kind, record_length - fpi_length AS rec, fpi_length AS fpi
+    FROM pg_get_wal_records_info('0/0'::pg_lsn + $1::text::numeric, '0/0'::pg_lsn + $2::text::numeric)
+), g AS (
+  SELECT m[1]::oid AS db, pg_filenode_relation(0, m[2]::oid) AS rel, kind,
+         count(*) AS n, sum(rec)::int8 AS rec, sum(fpi)::int8 AS fpi
+    FROM r GROUP BY 1, 2, 3
+)
+SELECT kind,
+       CASE WHEN db IS NULL THEN '(no relation)'
+            WHEN db <> (SELECT oid FROM pg_database WHERE datname = current_database()) THEN '(other databases)'
+            ELSE coalesce(
+              (SELECT t.relname || ' TOAST' FROM pg_class t WHERE t.reltoastrelid = rel),
+              (SELECT t.relname || ' TOAST' FROM pg_index i JOIN pg_class t ON t.reltoastrelid = i.indrelid WHERE i.indexrelid = rel),
+              (SELECT t.relname FROM pg_index i JOIN pg_class t ON t.oid = i.indrelid WHERE i.indexrelid = rel),
+              (SELECT relname FROM pg_class WHERE oid = rel),
+              '(unresolved)')::text
+       END,
+       n, rec, fpi
+  FROM g"#;
+
 /// The sampler: one connection, the worker's metrics, /proc.
 struct Sampler {
     client: Client,
@@ -381,6 +419,14 @@ struct Sampler {
     first: Option<Probe>,
     /// The schema has the table webhook_inbox_queue.
     queue_table: bool,
+    /// The WAL of the run by record type (`pg_walinspect`'s `pg_get_wal_stats`, read interval by
+    /// interval while the segments are still there): record type → (records, record bytes,
+    /// full-page image bytes). None when the server does not let the bench read its WAL (the
+    /// extension missing, or not a superuser): then only the total is known.
+    wal_kinds: Option<BTreeMap<String, [i64; 3]>>,
+    /// With `--soak-wal-by-table`: the same by the table each record changed (indexes counted as
+    /// their table, TOAST apart), "(no relation)" for commits and the like.
+    wal_tables: Option<BTreeMap<String, [i64; 3]>>,
 }
 
 impl Sampler {
@@ -391,11 +437,13 @@ impl Sampler {
             .query_one(
                 "SELECT extract(epoch FROM clock_timestamp())::float8,
                         pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8,
-                        (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())",
+                        (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()),
+                        pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::int8",
                 &[],
             )
             .await?;
-        let (server_s, lsn, commits): (f64, i64, i64) = (r.get(0), r.get(1), r.get(2));
+        let (server_s, lsn, commits, flush_lsn): (f64, i64, i64, i64) =
+            (r.get(0), r.get(1), r.get(2), r.get(3));
         let cpu = CpuSample::take(self.postmaster, &services.pids());
         let mut tables = BTreeMap::new();
         for r in c
@@ -471,6 +519,7 @@ impl Sampler {
             at: Instant::now(),
             server_s,
             lsn,
+            flush_lsn,
             commits,
             tables,
             sizes,
@@ -491,6 +540,17 @@ impl Sampler {
         let client = pg::connect(url).await?;
         let queue_table: bool =
             client.query_one("SELECT to_regclass('webhook_inbox_queue') IS NOT NULL", &[]).await?.get(0);
+        // In the phase's own database, dropped with it.
+        let wal_kinds = match client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect").await {
+            Ok(()) => Some(BTreeMap::new()),
+            Err(e) => {
+                ctx.say(&format!(
+                    "soak: no WAL by record type (pg_walinspect: {})",
+                    inbox_domain::db::describe_db_error(&e)
+                ));
+                None
+            }
+        };
         let mut s = Sampler {
             queue_table,
             client,
@@ -502,6 +562,7 @@ impl Sampler {
                 at: t0,
                 server_s: 0.0,
                 lsn: 0,
+                flush_lsn: 0,
                 commits: 0,
                 tables: BTreeMap::new(),
                 sizes: BTreeMap::new(),
@@ -514,6 +575,8 @@ impl Sampler {
             floor: "evt_".into(),
             samples: Vec::new(),
             first: None,
+            wal_tables: (wal_kinds.is_some() && ctx.args.soak_wal_by_table).then(BTreeMap::new),
+            wal_kinds,
         };
         s.prev = s.probe(ctx, services).await?;
         s.first = Some(s.prev.clone());
@@ -554,6 +617,7 @@ impl Sampler {
             .await
             .context("counting the interval's processed rows")?;
         let processed: i64 = row.get(0);
+        let own_wal_read = self.add_wal_kinds(ctx, now.flush_lsn).await;
         let buckets: Vec<i32> = row.get(4);
         let counts: Vec<i64> = row.get(5);
         let prev = &self.prev;
@@ -578,7 +642,7 @@ impl Sampler {
             claim_mean_ms,
             claim_p99_ms,
             wal_bytes: now.lsn - prev.lsn,
-            commits: (now.commits - prev.commits - OWN_XACTS - extra_own).max(0),
+            commits: (now.commits - prev.commits - OWN_XACTS - own_wal_read - extra_own).max(0),
             tables: now
                 .tables
                 .iter()
@@ -614,6 +678,39 @@ impl Sampler {
         self.samples.push(sample);
         self.floor = std::mem::replace(&mut self.prev, now).floor_key;
         Ok(())
+    }
+
+    /// Adds the WAL from the last probe's flush position to `flush_lsn`, by record type, to
+    /// [`Sampler::wal_kinds`]; returns the transactions it took (0 or 1). A read that fails (a
+    /// segment already recycled) stops the breakdown, which would then be short, and says so.
+    async fn add_wal_kinds(&mut self, ctx: &Ctx, flush_lsn: i64) -> i64 {
+        let Some(kinds) = self.wal_kinds.as_mut() else { return 0 };
+        let from = self.prev.flush_lsn;
+        if flush_lsn <= from {
+            return 0;
+        }
+        let sql = if self.wal_tables.is_some() { WAL_BY_TABLE_SQL } else { WAL_BY_TYPE_SQL };
+        let read = self.client.query(sql, &[&from.to_string(), &flush_lsn.to_string()]).await;
+        match read {
+            Ok(rows) => {
+                for r in rows {
+                    let v = [r.get::<_, i64>(2), r.get(3), r.get(4)];
+                    let add = |k: &mut [i64; 3]| (0..3).for_each(|i| k[i] += v[i]);
+                    add(kinds.entry(r.get(0)).or_insert([0; 3]));
+                    if let Some(tables) = self.wal_tables.as_mut() {
+                        add(tables.entry(r.get(1)).or_insert([0; 3]));
+                    }
+                }
+            }
+            Err(e) => {
+                ctx.say(&format!(
+                    "soak: WAL by record type stopped: {}",
+                    inbox_domain::db::describe_db_error(&e)
+                ));
+                (self.wal_kinds, self.wal_tables) = (None, None);
+            }
+        }
+        1
     }
 }
 
@@ -843,8 +940,10 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
         let mid = s.t - s.interval / 2.0;
         s.snapshot = mid >= snap_start && mid < snap_end;
     }
-    let summary = summarize(&samples, &purges, duration.as_secs_f64(), (snap_start, snap_end));
+    let mut summary = summarize(&samples, &purges, duration.as_secs_f64(), (snap_start, snap_end));
     let processed: i64 = samples.iter().map(|s| s.processed).sum();
+    summary.insert("wal_by_record_type".into(), wal_breakdown(sampler.wal_kinds.as_ref(), processed));
+    summary.insert("wal_by_table".into(), wal_breakdown(sampler.wal_tables.as_ref(), processed));
     let cpu_total = first.cpu.usage(&sampler.prev.cpu, Some(processed as f64));
     let last = &sampler.prev;
     let claims = last.claims.as_ref().map(|h| h.since(first.claims.as_ref()));
@@ -910,6 +1009,27 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
         out[k] = v;
     }
     Ok(out)
+}
+
+/// The run's WAL by record type (or by table), per processed event, the largest first: where the
+/// bytes of `wal_bytes_per_event` come from (the records themselves, and the full-page images
+/// written by the first change of a page after each checkpoint). Null when it was not read.
+fn wal_breakdown(kinds: Option<&BTreeMap<String, [i64; 3]>>, processed: i64) -> Value {
+    let Some(kinds) = kinds else { return Value::Null };
+    let total: i64 = kinds.values().map(|k| k[1] + k[2]).sum();
+    let fpi: i64 = kinds.values().map(|k| k[2]).sum();
+    let mut rows: Vec<(&String, &[i64; 3])> = kinds.iter().collect();
+    rows.sort_by_key(|(_, k)| -(k[1] + k[2]));
+    json!({
+        "bytes_per_event": per(total as f64, processed),
+        "full_page_image_share": (total > 0).then(|| fpi as f64 / total as f64),
+        "parts": rows.iter().map(|(name, k)| json!({
+            "name": name,
+            "records_per_event": per(k[0] as f64, processed),
+            "record_bytes_per_event": per(k[1] as f64, processed),
+            "fpi_bytes_per_event": per(k[2] as f64, processed),
+        })).collect::<Vec<_>>(),
+    })
 }
 
 /// The whole run's figures from the samples.
