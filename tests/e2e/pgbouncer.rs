@@ -173,7 +173,7 @@ async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fi
         ingest.output()
     );
     // A 503 can arrive before the ingest's reader thread has its line.
-    let logs = ingest.wait_for_output("INBOX_DB_POOLER=transaction", Duration::from_secs(10));
+    let logs = ingest.wait_for_output("the database settings are wrong", Duration::from_secs(10));
 
     // The log names the SQLSTATE, the server's message and the setting, at error level.
     let named = logs.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find(|l| {
