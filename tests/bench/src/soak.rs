@@ -1076,10 +1076,11 @@ fn summarize(
         json!({ "before_snapshot": claim_p99(&before), "during_snapshot": claim_p99(&during), "after_snapshot": claim_p99(&after) }),
     );
     // Sizes: after the first purge that deleted rows (else the first purge), after the second,
-    // and at the end. Only from the second is the comparison a test of flatness: until the
-    // second purge the table fills up to what it holds in the steady state — the retention plus
-    // one interval of rows — while the first leaves it holding the retention's alone (a perfectly
-    // flat table is 1 + interval / retention times its size after the first purge at the end).
+    // and at the end. Only from the second is the comparison a test of flatness: the first comes
+    // one interval into the run, with that interval's rows in the table, and until the second the
+    // table fills up to what it holds just before a purge in the steady state, the retention plus
+    // one interval of rows (a table that never grows past that ends at 1 + retention / interval
+    // times its size after the first purge: 1.67 with the soak's 2 and 3 minutes).
     let deleting: Vec<&Purge> =
         purges.iter().filter(|p| p.report["deleted"].as_u64().is_some_and(|d| d > 0)).collect();
     let after = |p: Option<&Purge>| p.and_then(|p| samples.iter().find(|s| s.t >= p.at + p.seconds));
