@@ -131,7 +131,7 @@ async fn an_operator_signs_in_requeues_a_parked_row_a_worker_processes_it_and_th
     assert!(browser.text(row).await.contains("deadlock detected"), "the parked row and its error");
     assert_eq!(browser.text("#match-count").await, "1");
     browser.click(&format!("{row} a[href='/events/billing/evt_console_requeue']")).await;
-    assert_eq!(browser.path().await, "/events/billing/evt_console_requeue");
+    browser.wait_for_path("/events/billing/evt_console_requeue", Duration::from_secs(15)).await;
     assert_eq!(browser.text("#processed-at").await, "—", "not processed yet");
     assert!(browser.text("#payload").await.contains("\"in_evt_console_requeue\""));
 
@@ -193,7 +193,7 @@ async fn a_read_only_user_sees_no_action_and_a_post_forged_from_their_session_is
     let requeue = form_fields(&browser, "#requeue-form").await;
     assert!(requeue.iter().any(|(name, _)| name == "csrf"), "{requeue:?}");
     browser.click("form.signout button[type=submit]").await;
-    assert_eq!(browser.path().await, "/login");
+    browser.wait_for_path("/login", Duration::from_secs(15)).await;
 
     browser.sign_in(&base, "bob", PASSWORD).await;
     browser.goto(&event_url(&base, "evt_console_ro")).await;
@@ -406,7 +406,7 @@ async fn every_page_renders_with_a_days_data_and_a_filtered_requeue_asks_before_
 
     let parked = "evt_1QPk8AL2eZvKYlo2x0Qm4R7t";
     browser.click(&format!("#needs-review tr[data-event-id='{parked}'] a")).await;
-    assert_eq!(browser.path().await, format!("/events/billing/{parked}"));
+    browser.wait_for_path(&format!("/events/billing/{parked}"), Duration::from_secs(15)).await;
     assert_eq!(browser.text("#processed-at").await, "—");
     for form in ["#requeue-form", "#dismiss-form"] {
         assert!(browser.exists(form).await, "{form} on a parked row's page");

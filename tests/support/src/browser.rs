@@ -190,9 +190,28 @@ impl Browser {
         }
     }
 
-    /// Clicks the element matching `css` (a link, a submit button) and waits for the page it opens.
+    /// Clicks the element matching `css` (a link, a submit button). The page it opens may still be
+    /// loading when this returns (a form's POST and its redirect): [`Browser::wait_for_path`].
     pub async fn click(&self, css: &str) {
         self.find(css).await.click().await.unwrap_or_else(|e| panic!("clicking {css}: {e}"));
+    }
+
+    /// Waits until the page shown is at `path`, up to `timeout`: after a click that navigates.
+    pub async fn wait_for_path(&self, path: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let now = self.path().await;
+            if now == path {
+                return;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "still on {now}, not {path}, after {timeout:?}; the page says:\n{}",
+                    self.page_text().await
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Waits until an element matches `css`, up to `timeout`.
