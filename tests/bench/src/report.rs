@@ -539,21 +539,24 @@ fn soak_rows(t: &mut Table, s: &Value) {
         let parts = if *table == "webhook_inbox" { "heap+TOAST+indexes" } else { "heap+indexes" };
         // The first purge leaves the table filling up to its steady state; flat is judged from
         // the second (see the soak's summary).
-        let row = t.add(
-            format!("     {table} {parts}: after 1st purge → end (filling up)"),
-            format!("{} → {}", size(v["after_first_purge_bytes"].as_i64()), size(v["end_bytes"].as_i64())),
-        );
-        if let Some(ratio) = v["end_over_after_first_purge"].as_f64() {
-            row.ratio = Some((ratio, "1st purge".into()));
-        }
-        let row = t.add(
-            format!("     {table} {parts}: after 2nd purge → end"),
-            format!("{} → {}", size(v["after_second_purge_bytes"].as_i64()), size(v["end_bytes"].as_i64())),
-        );
-        row.target = "≤ 1.20 (flat)".into();
-        if let Some(ratio) = v["end_over_after_second_purge"].as_f64() {
-            row.ratio = Some((ratio, "2nd purge".into()));
-            row.ok = Some(ratio <= 1.2);
+        for (nth, key, judged) in [("1st", "first", false), ("2nd", "second", true)] {
+            let row = t.add(
+                format!(
+                    "     {table} {parts}: after {nth} purge → end{}",
+                    if judged { "" } else { " (filling up)" }
+                ),
+                format!(
+                    "{} → {}",
+                    size(v[format!("after_{key}_purge_bytes")].as_i64()),
+                    size(v["end_bytes"].as_i64())
+                ),
+            );
+            let ratio = v[format!("end_over_after_{key}_purge")].as_f64();
+            row.ratio = ratio.map(|r| (r, format!("{nth} purge")));
+            if judged {
+                row.target = "≤ 1.20 (flat)".into();
+                row.ok = ratio.map(|r| r <= 1.2);
+            }
         }
     }
     let short = |n: &str| match n {

@@ -381,8 +381,8 @@ SELECT "resource_manager/record_type", NULL::text, count, record_size, fpi_size
 /// The same by record type and by the table each record changed, read from each record's first
 /// block reference (`rel <tablespace>/<database>/<filenode>`): an index counts as its table, a TOAST
 /// table and its index as "<table> TOAST" (where a payload's bytes go); another database's records
-/// as "(other databases)". Every record
-/// is described as text, so this costs far more than [`WAL_BY_TYPE_SQL`].
+/// as "(other databases)". Every record is described as text, so this costs far more than
+/// [`WAL_BY_TYPE_SQL`].
 const WAL_BY_TABLE_SQL: &str = r#"
 WITH r AS (
   SELECT regexp_match(block_ref, '^blkref #0: rel \d+/(\d+)/(\d+)') AS m,
