@@ -20,6 +20,7 @@ mod ingest_memory;
 mod ingest_process;
 mod invoice_order;
 mod kept;
+mod maintenance;
 mod metric_names;
 mod migrate;
 mod operator;
