@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
-use inbox_test_support::db::{scalar, slow_writes};
+use inbox_test_support::db::{scalar, slow_writes, unprocessed};
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
 use inbox_test_support::worker::{claim, eventually, execute, pool, spawn_worker, store_event, test_limits};
@@ -25,10 +25,6 @@ async fn in_transaction(client: &tokio_postgres::Client, application_name: &str)
         .await
         .unwrap()
         .get(0)
-}
-
-async fn unprocessed(client: &tokio_postgres::Client) -> i64 {
-    scalar(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await
 }
 
 #[tokio::test]

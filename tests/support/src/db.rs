@@ -59,6 +59,11 @@ pub async fn scalar(client: &(impl tokio_postgres::GenericClient + Sync), sql: &
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// Inbox rows not yet processed (waiting, leased or parked).
+pub async fn unprocessed(client: &Client) -> i64 {
+    scalar(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await
+}
+
 /// The first column of every row of `sql`, on a client or inside a transaction (an `EXPLAIN`'s
 /// lines, a list of ids).
 pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(
