@@ -77,11 +77,9 @@ pub struct AppState {
 ///
 /// Under steady load a row waits up to this long for the wake-up of the claim that takes it, so
 /// it is most of receive→processed's median; a shorter gap means more, smaller batches, which
-/// cost PostgreSQL more per event. Measured at half the ingest's rate (docs/performance.md, "End
-/// to end at half the ingest's rate"): 20 ms gave p50 14 ms and p99 28–35 ms, 10 ms p50 10 ms and
-/// p99 19–26 ms for ~2 % more of PostgreSQL's CPU, 5 and 2 ms no better p99 for 7–18 % more. At a
-/// low rate each wake-up carries fewer rows and the share is larger: at 800/s, p99 24 → 14 ms for
-/// 17 % more PostgreSQL CPU per event, on a server then two-thirds idle.
+/// cost PostgreSQL more per event — little at half the ingest's maximum, much more at low rates
+/// and under a held snapshot. 20, 10, 5 and 2 ms measured side by side, and a 30-minute soak at
+/// 10 ms: docs/performance.md, "End to end at half the ingest's rate".
 pub const NOTIFY_INTERVAL: Duration = Duration::from_millis(10);
 
 /// Sends the coalesced wake-up NOTIFY until aborted.
