@@ -84,6 +84,22 @@ pub async fn hold_snapshot(db: &TestDb, table: &str) -> Client {
     reporting
 }
 
+/// Buffers read so far from `table` — its heap and its indexes, hits and reads — by every session,
+/// this one's included: its pending statistics are reported first (PostgreSQL reports a session's
+/// at most once a second otherwise). The difference between two readings is what the statements
+/// run between them read, when nothing else touches the table.
+pub async fn buffers_read(client: &Client, table: &str) -> i64 {
+    client.batch_execute("SELECT pg_stat_force_next_flush()").await.unwrap();
+    scalar(
+        client,
+        &format!(
+            "SELECT (heap_blks_hit + heap_blks_read + coalesce(idx_blks_hit + idx_blks_read, 0))::int8
+               FROM pg_statio_user_tables WHERE relname = '{table}'"
+        ),
+    )
+    .await
+}
+
 /// `at` as a quoted `timestamptz` literal, as the server prints it (microseconds kept), for a
 /// statement written out in full (`EXPLAIN … EXECUTE`).
 pub async fn timestamptz_literal(client: &Client, at: std::time::SystemTime) -> String {
