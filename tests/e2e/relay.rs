@@ -434,6 +434,68 @@ async fn a_receiver_answering_with_a_body_is_delivered_to_over_one_kept_connecti
     assert_eq!(receiver.connections(), 1, "one connection for twenty deliveries, one after the other");
 }
 
+/// Under a held snapshot the outbox's partial indexes (`outbox_ready`, and
+/// `outbox_unpublished_by_aggregate`) keep the entry of every row claimed and published, while
+/// autovacuum's analyse finds none of them unpublished and the planner costs a whole scan of them at
+/// one page. 30,000 rows are written, claimed and published under such a snapshot, 64 at a time,
+/// and the outbox analysed; a batch of 8 is then claimed, and marked published as the relay does:
+/// the mark must find each row by its id, not read the whole index of unpublished rows at each
+/// statement (a hash join over it: 25,494 buffers in all against the index's 414 pages; by id: 263).
+#[tokio::test]
+async fn under_a_held_snapshot_a_relay_batch_finds_its_rows_by_id_not_by_reading_the_grown_indexes() {
+    use inbox_domain::inbox::store::outbox::{self, Fence};
+    use inbox_test_support::db::buffers_read;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    // Each step committed on its own, as a handler, a claim and a mark do. The rows were written
+    // hours ago (as far as the claim knows): its cursor below starts after them.
+    let insert = "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, available_at)
+                  SELECT 'Invoice', $1 || i, 'InvoicePaymentBooked', '{}', now() - $3::text::interval, now() - $3::text::interval
+                    FROM generate_series($4::int4, $2::int4) i";
+    let batch = "aggregate_id IN (SELECT 'in_old_' || i FROM generate_series($1::int4, $2::int4) i)";
+    let claim = format!(
+        "UPDATE outbox SET attempts = 1, fencing_token = 1, available_at = now() + interval '30 s' WHERE {batch}"
+    );
+    let mark = format!("UPDATE outbox SET published_at = now() WHERE {batch}");
+    let reporting = hold_snapshot(&db, "outbox").await;
+    for first in (1..=30_000i32).step_by(64) {
+        let last = first + 63;
+        client.execute(insert, &[&"in_old_", &last, &"10 hours", &first]).await.unwrap();
+        client.execute(&claim, &[&first, &last]).await.unwrap();
+        client.execute(&mark, &[&first, &last]).await.unwrap();
+    }
+    client.batch_execute("ANALYZE outbox").await.unwrap();
+    client.execute(insert, &[&"in_new_", &8i32, &"0 s", &1i32]).await.unwrap();
+    let index_pages =
+        scalar(&client, "SELECT pg_relation_size('outbox_unpublished_by_aggregate') / 8192").await;
+
+    let before = buffers_read(&client, "outbox").await;
+    let since = std::time::SystemTime::now() - Duration::from_secs(2);
+    let claim = outbox::claim(
+        &client,
+        Some(since),
+        16,
+        8,
+        i64::MAX,
+        Duration::from_secs(120),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert_eq!(claim.claimed.len(), 8, "the new batch is claimed");
+    let fences: Vec<Fence> = claim.claimed.iter().map(Fence::from).collect();
+    let marked = outbox::mark_published(&client, &fences, Duration::from_secs(10)).await.unwrap();
+    let read = buffers_read(&client, "outbox").await - before;
+    reporting.batch_execute("COMMIT").await.unwrap();
+
+    assert_eq!(marked.len(), 8, "each row of the batch is marked published");
+    assert_eq!(unpublished(&client).await, 0);
+    assert!(
+        read < index_pages,
+        "claiming and marking 8 rows read {read} buffers of the outbox, whose index of unpublished rows has {index_pages} pages"
+    );
+}
+
 /// A snapshot held open elsewhere (a reporting query) keeps every published row's entry in
 /// `outbox_ready` where claims from the index's start step over it. 19,500 of 20,000 outbox rows
 /// are claimed and published under such a snapshot, by claims that each start where the one before

@@ -47,6 +47,36 @@ macro_rules! outbox_pending {
     };
 }
 
+/// The version of the outbox row `<claim>.id` that the statement sees, as `cur`: its TID, and the
+/// columns a relay's write checks (published, the fence). For the statements that then write the
+/// row by its TID (`o.ctid = cur.ctid`), with every condition on `cur`, none on `o`. A string
+/// literal, for `concat!`.
+///
+/// Why not `o.id = c.id AND o.published_at IS NULL`: that condition lets the planner read the
+/// rows through an index of unpublished rows (`outbox_unpublished_by_aggregate`), whose size it
+/// takes from the last analyse — after one that found no row unpublished (the steady state), one
+/// page, cheaper than a probe of the primary key per row. While a long snapshot is open elsewhere
+/// that index keeps the entry of every row published since, and each mark read all of them: the
+/// relay's mark was PostgreSQL's largest cost in a soak with a held snapshot (21 ms a call). Here
+/// the row's id is the subquery's only condition (its LIMIT keeps the planner from merging it into
+/// the join), so the primary key's probe is the only index that answers it. The TID also pins the
+/// version checked: a row another session changed meanwhile has a new one, and the write leaves it
+/// alone — as the fence would: every other write to a row a relay holds moves its attempts or its
+/// lease.
+macro_rules! current_version {
+    ($claim:literal) => {
+        concat!(
+            "CROSS JOIN LATERAL (
+           SELECT v.ctid, v.published_at, v.attempts, v.available_at
+             FROM outbox AS v
+            WHERE v.id = ",
+            $claim,
+            ".id
+            LIMIT 1) AS cur"
+        )
+    };
+}
+
 /// Claim (the relay's first transaction): up to `$2` ready outbox rows — pending and available —
 /// oldest availability first, skipping rows other relays hold, each the first unpublished row of
 /// its aggregate; for each, counts the attempt, adds one to its fencing token and leases it for
@@ -250,8 +280,8 @@ pub async fn claim(
 }
 
 /// Published (the relay's second transaction, one statement for the delivered rows of a batch):
-/// `published_at = now()` for each row that still carries the claim that delivered it (`fenced!`);
-/// and for each row marked, its aggregate's next unpublished row, if held (never attempted, its
+/// `published_at = now()` for each row that still carries the claim that delivered it (`fenced!`,
+/// found by its id: [`current_version!`]); and for each row marked, its aggregate's next unpublished row, if held (never attempted, its
 /// `available_at` moved past now by a claim), is released: available now. Arrays `$1` ids, `$2` the
 /// claims' attempts, `$3` their lease ends. Returns the ids marked: a delivered row missing from
 /// the result lost its lease to another relay meanwhile (which delivers and marks it: the receiver
@@ -262,8 +292,11 @@ WITH published AS (
     UPDATE outbox AS o
        SET published_at = now(), last_error = NULL
       FROM unnest($1::int8[], $2::int4[], $3::timestamptz[]) AS c(id, attempts, leased_until)
-     WHERE o.id = c.id AND o.published_at IS NULL AND ",
-    fenced!("o", "c"),
+     ",
+    current_version!("c"),
+    "
+     WHERE o.ctid = cur.ctid AND cur.published_at IS NULL AND ",
+    fenced!("cur", "c"),
     "
     RETURNING o.id, o.aggregate_type, o.aggregate_id
 ), released AS (
@@ -329,8 +362,11 @@ UPDATE outbox AS o
        parked_at = CASE WHEN f.park OR o.attempts >= $8 THEN now() END
   FROM unnest($1::int8[], $2::int4[], $3::timestamptz[], $4::text[], $5::float8[], $6::float8[], $7::bool[])
        AS f(id, attempts, leased_until, error, backoff, not_before, park)
- WHERE o.id = f.id AND o.published_at IS NULL AND ",
-    fenced!("o", "f"),
+ ",
+    current_version!("f"),
+    "
+ WHERE o.ctid = cur.ctid AND cur.published_at IS NULL AND ",
+    fenced!("cur", "f"),
     "
 RETURNING o.id, o.parked_at IS NOT NULL"
 );
@@ -383,8 +419,11 @@ pub const HAND_BACK_SQL: &str = concat!(
 UPDATE outbox AS o
    SET attempts = o.attempts - 1, available_at = now()
   FROM unnest($1::int8[], $2::int4[], $3::timestamptz[]) AS c(id, attempts, leased_until)
- WHERE o.id = c.id AND o.published_at IS NULL AND ",
-    fenced!("o", "c")
+ ",
+    current_version!("c"),
+    "
+ WHERE o.ctid = cur.ctid AND cur.published_at IS NULL AND ",
+    fenced!("cur", "c")
 );
 
 /// Runs [`HAND_BACK_SQL`]; returns how many rows were handed back.
