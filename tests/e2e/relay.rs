@@ -496,6 +496,58 @@ async fn under_a_held_snapshot_a_relay_batch_finds_its_rows_by_id_not_by_reading
     );
 }
 
+/// The relay's claim takes its candidates from `outbox_ready` in its order, whatever the statistics
+/// say. Both partial indexes of the outbox hold the pending rows, and the planner takes the size of
+/// each from its last vacuum or analyse: when those left `outbox_unpublished_by_aggregate` counted
+/// empty and `outbox_ready` with a few entries over many pages (as in a soak under a held
+/// snapshot), it preferred to read the whole index of unpublished rows, filter and sort it — at
+/// every claim, over every dead entry the snapshot kept (35k buffers a claim, 29 ms). Set here by
+/// hand to those statistics, over indexes left large by 20,000 published rows, the claim must
+/// still read `outbox_ready` from its cursor, with no sort below its lock.
+#[tokio::test]
+async fn the_relays_claim_reads_outbox_ready_in_order_whatever_the_statistics_say() {
+    use inbox_domain::inbox::store::outbox::CLAIM_SQL;
+    use inbox_domain::inbox::store::queue::CLAIM_PLANNER_SQL;
+    let db = TestDb::new().await;
+    let mut client = db.client().await;
+    // Each on its own: VACUUM may not run in the implicit transaction of a multi-statement query.
+    for statement in [
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'Invoice', 'in_old_' || i, 'InvoicePaymentBooked', '{}' FROM generate_series(1, 20000) i",
+        "UPDATE outbox SET published_at = now()",
+        "VACUUM ANALYZE outbox",
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'Invoice', 'in_' || i, 'InvoicePaymentBooked', '{}' FROM generate_series(1, 50) i",
+        "UPDATE pg_class SET reltuples = 0 WHERE relname = 'outbox_unpublished_by_aggregate'",
+        "UPDATE pg_class SET reltuples = 20 WHERE relname = 'outbox_ready'",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
+    client.batch_execute(&CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
+    client
+        .batch_execute(&format!("PREPARE claim(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"))
+        .await
+        .unwrap();
+    let (plan, claimed) = explain_rolled_back(
+        &mut client,
+        "EXECUTE claim(16, 32, 120.0, 33554432, now() - interval '1 minute')",
+        "SELECT count(*)::text FROM outbox WHERE attempts = 1",
+    )
+    .await;
+    assert_eq!(claimed, ["32"], "{plan}");
+    let candidates: Vec<&str> = plan
+        .lines()
+        .skip_while(|l| !l.contains("LockRows"))
+        .take_while(|l| !l.contains("CTE ranked"))
+        .collect();
+    assert!(
+        candidates.iter().any(|l| l.contains("Index Scan using outbox_ready"))
+            && !candidates.iter().any(|l| l.contains("Sort")),
+        "the candidates must come from outbox_ready in its order:\n{plan}"
+    );
+}
+
 /// A snapshot held open elsewhere (a reporting query) keeps every published row's entry in
 /// `outbox_ready` where claims from the index's start step over it. 19,500 of 20,000 outbox rows
 /// are claimed and published under such a snapshot, by claims that each start where the one before

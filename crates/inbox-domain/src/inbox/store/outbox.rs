@@ -225,8 +225,10 @@ pub struct OutboxClaim {
     pub resume_from: Option<SystemTime>,
 }
 
-/// Runs [`CLAIM_SQL`] in a transaction of its own under `timeout` (see the worker's claim), its
-/// scan starting at `since` (a [`ClaimCursor`]'s; None: the whole queue).
+/// Runs [`CLAIM_SQL`] in a transaction of its own under `timeout`, with the worker's claim's
+/// planner settings (`queue::CLAIM_PLANNER_SQL`: the candidates read from `outbox_ready` in its
+/// order, whatever the statistics say), its scan starting at `since` (a [`ClaimCursor`]'s; None:
+/// the whole queue).
 #[allow(clippy::too_many_arguments)]
 pub async fn claim(
     client: &Client,
@@ -245,7 +247,14 @@ pub async fn claim(
         (&budget, Type::INT8),
         (&since, Type::TIMESTAMPTZ),
     ];
-    let rows = super::query_in_own_transaction(client, timeout, CLAIM_SQL, &params).await?;
+    let rows = super::query_in_own_transaction_with(
+        client,
+        timeout,
+        super::queue::CLAIM_PLANNER_SQL,
+        CLAIM_SQL,
+        &params,
+    )
+    .await?;
     let mut claim = OutboxClaim::default();
     for r in &rows {
         claim.resume_from = r.get("resume_from");

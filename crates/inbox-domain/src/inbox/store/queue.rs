@@ -235,15 +235,30 @@ WITH candidates AS (
     claim_after_candidates!()
 );
 
-/// What the claim's transaction sets before the claim: no bitmap scans. The claim reads each
-/// type's ready rows from the queue table in index order and stops after `$2` of them; that is
-/// what the planner picks when the queue table's statistics know its size. Right after a burst,
-/// before autovacuum analysed the grown table (up to a minute), the planner estimates a type's
-/// rows with its defaults — a few dozen, for twenty thousand — and prefers a bitmap scan of all
-/// of them, a primary-key probe of the inbox for each, and a sort: every claim would read the
-/// whole queue. Without bitmap scans the ordered index scan is the cheapest plan whatever the
-/// estimate. Local to the transaction (`SET LOCAL`): nothing else the connection runs is affected.
-pub const CLAIM_PLANNER_SQL: &str = "SET LOCAL enable_bitmapscan = off";
+/// What a claim's transaction sets before the claim — the worker's here, the relay's
+/// (`outbox::claim`) too: no bitmap scans and no sorts, so that the planner's only plan for the
+/// candidates is the one they are written for, an ordered scan of the queue's index from the
+/// cursor that stops after `$2` rows, whatever the statistics say. Local to the transaction (`SET
+/// LOCAL`), in which no handler runs: nothing else the connection runs is affected.
+///
+/// * Bitmap scans: right after a burst, before autovacuum analysed the grown queue table (up to a
+///   minute), the planner estimates a type's rows with its defaults — a few dozen, for twenty
+///   thousand — and prefers a bitmap scan of all of them, a primary-key probe of the inbox for
+///   each, and a sort: every claim would read the whole queue.
+/// * Sorts: the planner takes an index's size from the last vacuum or analyse of its table. After
+///   one that counted an index empty — the queue table with no backlog, the outbox's index of
+///   unpublished rows with every row published — it costs a whole scan of that index at one page,
+///   and a scan of all of it, filtered and sorted, comes out cheaper than the ordered scan. While a
+///   long snapshot is open elsewhere those indexes keep every dead entry, and such a plan read all
+///   of them at each claim: in soaks with a held snapshot, the worker's claim read the queue's
+///   whole primary key (31k buffers a claim), the relay's the outbox's index of unpublished rows
+///   (35k buffers, 29 ms a claim). With sorts off that plan costs what a forbidden one does. The
+///   sorts the claim cannot do without (the candidates of all types, the budget's running sum) are
+///   still done: every plan pays the same for them.
+/// * JIT: a forbidden step's cost is added to every plan, and a plan that costly would otherwise
+///   be compiled, which takes longer than the claim itself.
+pub const CLAIM_PLANNER_SQL: &str =
+    "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off";
 
 /// What a claim came to: the rows this worker now holds, and those it parked instead.
 #[derive(Debug, Clone, Default)]
