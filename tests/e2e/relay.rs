@@ -444,28 +444,35 @@ async fn a_receiver_answering_with_a_body_is_delivered_to_over_one_kept_connecti
 #[tokio::test]
 async fn under_a_held_snapshot_a_relay_batch_finds_its_rows_by_id_not_by_reading_the_grown_indexes() {
     use inbox_domain::inbox::store::outbox::{self, Fence};
-    use inbox_test_support::db::buffers_read;
+    use inbox_test_support::db::{buffers_read, in_batches_of_64};
     let db = TestDb::new().await;
     let client = db.client().await;
-    // Each step committed on its own, as a handler, a claim and a mark do. The rows were written
-    // hours ago (as far as the claim knows): its cursor below starts after them.
-    let insert = "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, available_at)
-                  SELECT 'Invoice', $1 || i, 'InvoicePaymentBooked', '{}', now() - $3::text::interval, now() - $3::text::interval
-                    FROM generate_series($4::int4, $2::int4) i";
+    // Written, claimed and published 64 at a time. The rows were written hours ago (as far as the
+    // claim knows): its cursor below starts after them.
     let batch = "aggregate_id IN (SELECT 'in_old_' || i FROM generate_series($1::int4, $2::int4) i)";
-    let claim = format!(
-        "UPDATE outbox SET attempts = 1, fencing_token = 1, available_at = now() + interval '30 s' WHERE {batch}"
-    );
-    let mark = format!("UPDATE outbox SET published_at = now() WHERE {batch}");
     let reporting = hold_snapshot(&db, "outbox").await;
-    for first in (1..=30_000i32).step_by(64) {
-        let last = first + 63;
-        client.execute(insert, &[&"in_old_", &last, &"10 hours", &first]).await.unwrap();
-        client.execute(&claim, &[&first, &last]).await.unwrap();
-        client.execute(&mark, &[&first, &last]).await.unwrap();
-    }
+    in_batches_of_64(
+        &client,
+        30_000,
+        &[
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, available_at)
+             SELECT 'Invoice', 'in_old_' || i, 'InvoicePaymentBooked', '{}', now() - interval '10 hours', now() - interval '10 hours'
+               FROM generate_series($1::int4, $2::int4) i",
+            &format!(
+                "UPDATE outbox SET attempts = 1, fencing_token = 1, available_at = now() + interval '30 s' WHERE {batch}"
+            ),
+            &format!("UPDATE outbox SET published_at = now() WHERE {batch}"),
+        ],
+    )
+    .await;
     client.batch_execute("ANALYZE outbox").await.unwrap();
-    client.execute(insert, &[&"in_new_", &8i32, &"0 s", &1i32]).await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'Invoice', 'in_new_' || i, 'InvoicePaymentBooked', '{}' FROM generate_series(1, 8) i",
+        )
+        .await
+        .unwrap();
     let index_pages =
         scalar(&client, "SELECT pg_relation_size('outbox_unpublished_by_aggregate') / 8192").await;
 

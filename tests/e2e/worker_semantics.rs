@@ -9,7 +9,8 @@ use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::{self, Failure};
 use inbox_test_support::db::{
-    buffers_read, column, explain_rolled_back, hold_snapshot, scalar, slow_writes, timestamptz_literal,
+    buffers_read, column, explain_rolled_back, hold_snapshot, in_batches_of_64, scalar, slow_writes,
+    timestamptz_literal,
 };
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, claim_for, eventually, execute, pool, store_event, test_limits};
@@ -1181,26 +1182,30 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
 async fn under_a_held_snapshot_a_batch_finds_its_queue_entries_by_key_not_by_reading_the_grown_index() {
     let db = TestDb::new().await;
     let mut client = db.client().await;
-    // Each batch of 64 stored, leased and processed, each step committed on its own as the ingest,
-    // the claim and the mark do. The rows arrived hours ago (as far as the queue knows): the claim's
-    // cursor below starts after them (see the test above).
-    let insert = "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, received_at, available_at)
-                  SELECT 'stripe', 'billing', $1 || i, 'invoice.paid', '{}', now() - $3::text::interval, now() - $3::text::interval
-                    FROM generate_series($4::int4, $2::int4) i";
+    // Stored, leased and processed 64 at a time. The rows arrived hours ago (as far as the queue
+    // knows): the claim's cursor below starts after them (see the test above).
     let batch = "(provider, endpoint, event_id) IN (SELECT 'stripe', 'billing', 'evt_old_' || i FROM generate_series($1::int4, $2::int4) i)";
-    let lease = format!(
-        "UPDATE webhook_inbox SET available_at = now() + interval '30 s', attempts = 1 WHERE {batch}"
-    );
-    let mark = format!("UPDATE webhook_inbox SET processed_at = now() WHERE {batch}");
     let reporting = hold_snapshot(&db, "webhook_inbox").await;
-    for first in (1..=30_000i32).step_by(64) {
-        let last = first + 63;
-        client.execute(insert, &[&"evt_old_", &last, &"10 hours", &first]).await.unwrap();
-        client.execute(&lease, &[&first, &last]).await.unwrap();
-        client.execute(&mark, &[&first, &last]).await.unwrap();
-    }
+    in_batches_of_64(
+        &client,
+        30_000,
+        &[
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, received_at, available_at)
+             SELECT 'stripe', 'billing', 'evt_old_' || i, 'invoice.paid', '{}', now() - interval '10 hours', now() - interval '10 hours'
+               FROM generate_series($1::int4, $2::int4) i",
+            &format!("UPDATE webhook_inbox SET available_at = now() + interval '30 s', attempts = 1 WHERE {batch}"),
+            &format!("UPDATE webhook_inbox SET processed_at = now() WHERE {batch}"),
+        ],
+    )
+    .await;
     client.batch_execute("ANALYZE webhook_inbox_queue").await.unwrap();
-    client.execute(insert, &[&"evt_new_", &8i32, &"0 s", &1i32]).await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_new_' || i, 'invoice.paid', '{}' FROM generate_series(1, 8) i",
+        )
+        .await
+        .unwrap();
     let primary_key_pages =
         scalar(&client, "SELECT pg_relation_size('webhook_inbox_queue_pkey') / 8192").await;
 

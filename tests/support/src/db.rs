@@ -84,6 +84,19 @@ pub async fn hold_snapshot(db: &TestDb, table: &str) -> Client {
     reporting
 }
 
+/// Runs `statements` in turn for each batch of 64 of the numbers 1..=`n`, with the batch's first
+/// and last as `$1` and `$2`, each statement committed on its own: rows written, claimed and
+/// finished a batch at a time, as the ingest, a claim and a mark (or a relay's) do — each leaving its
+/// dead versions and index entries, which a held snapshot keeps.
+pub async fn in_batches_of_64(client: &Client, n: i32, statements: &[&str]) {
+    for first in (1..=n).step_by(64) {
+        let last = (first + 63).min(n);
+        for statement in statements {
+            client.execute(*statement, &[&first, &last]).await.unwrap();
+        }
+    }
+}
+
 /// Buffers read so far from `table` — its heap and its indexes, hits and reads — by every session,
 /// this one's included: its pending statistics are reported first (PostgreSQL reports a session's
 /// at most once a second otherwise). The difference between two readings is what the statements
