@@ -477,7 +477,8 @@ async fn under_a_held_snapshot_a_relay_batch_finds_its_rows_by_id_not_by_reading
         scalar(&client, "SELECT pg_relation_size('outbox_unpublished_by_aggregate') / 8192").await;
 
     let before = buffers_read(&client, "outbox").await;
-    let since = std::time::SystemTime::now() - Duration::from_secs(2);
+    // Where the next claim would start: the cursor's slack before now.
+    let since = std::time::SystemTime::now() - inbox_domain::inbox::store::cursor::ClaimCursor::SLACK;
     let claim = outbox::claim(
         &client,
         Some(since),

@@ -1210,7 +1210,8 @@ async fn under_a_held_snapshot_a_batch_finds_its_queue_entries_by_key_not_by_rea
         scalar(&client, "SELECT pg_relation_size('webhook_inbox_queue_pkey') / 8192").await;
 
     let before = buffers_read(&client, "webhook_inbox_queue").await;
-    let since = std::time::SystemTime::now() - Duration::from_secs(2);
+    // Where the next claim would start: the cursor's slack before now.
+    let since = std::time::SystemTime::now() - inbox_domain::inbox::store::cursor::ClaimCursor::SLACK;
     let claim = queue::claim(
         &client,
         &invoices().claim_filter(),
