@@ -30,6 +30,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
             &extra,
         );
         let client = pg::connect(&db.url).await?;
+        let sampler = pg::connect(&db.url).await?;
         let host = addr.to_string();
         let warm_n = (rate * ctx.args.warmup.as_secs_f64()).ceil() as usize + 1;
         let n = (rate * ctx.args.duration.as_secs_f64()).ceil() as usize + 1;
@@ -51,8 +52,11 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let c = http::connect_all(addr, conns).await?;
         let procs = [("ingest", ingest.child.id()), ("worker", worker.child.id())];
         let cpu0 = CpuSample::take(ctx.server.postmaster, &procs);
-        let load = http::open_loop(c, measured, Instant::now(), rate, ctx.args.duration).await;
+        let t0 = Instant::now();
+        let autovacuum = pg::AutovacuumSampler::start(sampler, t0);
+        let load = http::open_loop(c, measured, t0, rate, ctx.args.duration).await;
         let cpu1 = CpuSample::take(ctx.server.postmaster, &procs);
+        let autovacuum = autovacuum.finish().await;
         let sent_at = Instant::now();
         check_alive(&mut ingest, "inbox-ingest")?;
         let progress = |left: i64| ctx.say(&format!("d:   {left} rows not yet processed"));
@@ -105,6 +109,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let cpu = cpu0.usage(&cpu1, Some(load.measured.ok as f64));
         let series = |f: fn(&(f64, f64)) -> f64| per_second.iter().map(|v| format!("{:.0}", f(v))).collect::<Vec<_>>().join(" ");
         ctx.say(&format!("d:   p99 / max ms per second of receipt: {} / {}", series(|v| v.0), series(|v| v.1)));
+        ctx.say(&format!("d:   autovacuum in the measured window: {}", pg::AutovacuumRun::describe(&autovacuum)));
         ctx.say(&format!(
             "d: sent {:.0}/s, receive-to-processed p50 {:.1} ms p99 {:.1} ms max {max_ms:.1} ms; HTTP p99 {:.1} ms; \
              drained {:.2} s after the last send ({})",
@@ -129,6 +134,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
                 "max_ms": max_ms,
                 "per_second": per_second.iter().map(|(p99, max)| json!({ "p99_ms": p99, "max_ms": max })).collect::<Vec<_>>(),
             },
+            "autovacuum_in_window": autovacuum.iter().map(pg::AutovacuumRun::json).collect::<Vec<_>>(),
             "http_latency": load.latency.json(),
             "measured": load.measured.json(),
             "non_2xx": non_2xx,

@@ -526,3 +526,86 @@ pub async fn wait_drained(
         tokio::time::sleep(every).await;
     }
 }
+
+/// What autovacuum did on one database while a measured window ran: each table's vacuum or
+/// analyse, from the first to the last sample that saw it (seconds from the window's start).
+/// A phase's database is new, so autovacuum's first round finds every table over its threshold;
+/// on a machine near saturation that round is enough to turn a second's p99 over its target, and
+/// the report should say when it ran.
+pub struct AutovacuumSampler {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Vec<AutovacuumRun>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AutovacuumRun {
+    /// `VACUUM ANALYZE webhook_inbox`, `ANALYZE pg_catalog.pg_class`, … (`pg_stat_activity.query`
+    /// of the autovacuum worker, without its "autovacuum: " prefix and the `public.` schema).
+    pub what: String,
+    pub from_s: f64,
+    pub to_s: f64,
+}
+
+impl AutovacuumSampler {
+    /// How often `pg_stat_activity` is read: fine enough to place a round in its second, and
+    /// ten cheap queries a second on a connection of its own.
+    const EVERY: Duration = Duration::from_millis(100);
+
+    /// Samples the database of `client` (a connection of its own, opened before the window: a
+    /// new backend is itself a disturbance) from `t0` until [`AutovacuumSampler::finish`].
+    pub fn start(client: Client, t0: std::time::Instant) -> AutovacuumSampler {
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let mut runs: Vec<AutovacuumRun> = Vec::new();
+            let mut tick = tokio::time::interval(Self::EVERY);
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    _ = tick.tick() => {}
+                }
+                let at = t0.elapsed().as_secs_f64();
+                let Ok(rows) = client
+                    .query(
+                        "SELECT replace(regexp_replace(query, '^autovacuum: ', ''), 'public.', '') FROM pg_stat_activity
+                          WHERE backend_type = 'autovacuum worker' AND datname = current_database()
+                            AND query <> ''",
+                        &[],
+                    )
+                    .await
+                else {
+                    break;
+                };
+                for row in rows {
+                    let what: String = row.get(0);
+                    match runs.iter_mut().rev().find(|r| r.what == what && at - r.to_s <= 0.5) {
+                        Some(run) => run.to_s = at,
+                        None => runs.push(AutovacuumRun { what, from_s: at, to_s: at }),
+                    }
+                }
+            }
+            runs
+        });
+        AutovacuumSampler { stop, task }
+    }
+
+    pub async fn finish(self) -> Vec<AutovacuumRun> {
+        let _ = self.stop.send(());
+        self.task.await.unwrap_or_default()
+    }
+}
+
+impl AutovacuumRun {
+    pub fn json(&self) -> serde_json::Value {
+        json!({ "what": self.what, "from_s": crate::util::r3(self.from_s), "to_s": crate::util::r3(self.to_s) })
+    }
+
+    pub fn describe(runs: &[AutovacuumRun]) -> String {
+        if runs.is_empty() {
+            return "none".into();
+        }
+        runs.iter()
+            .map(|r| format!("{} {:.1}–{:.1} s", r.what, r.from_s, r.to_s))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}

@@ -297,6 +297,25 @@ impl Table {
             );
             row.target = "p99 ≤ 25".into();
             row.ok = Some(p99 <= 25.0);
+            if let Some(runs) = e["autovacuum_in_window"].as_array() {
+                // The tables and times are in report.json and the run's output; here only when.
+                let at = |k: &str, min: bool| {
+                    let v = runs.iter().filter_map(|r| r[k].as_f64());
+                    if min {
+                        v.fold(f64::INFINITY, f64::min)
+                    } else {
+                        v.fold(f64::NEG_INFINITY, f64::max)
+                    }
+                };
+                t.add(
+                    "     autovacuum in the window (runs, from–to)",
+                    if runs.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        format!("{} runs, {:.1}–{:.1} s", runs.len(), at("from_s", true), at("to_s", false))
+                    },
+                );
+            }
             t.add(
                 "     HTTP latency p50 / p99 (from the scheduled send)",
                 format!("{} / {} ms", f(&e["http_latency"]["p50_ms"], 1), f(&e["http_latency"]["p99_ms"], 1)),
