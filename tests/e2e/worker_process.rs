@@ -215,6 +215,32 @@ async fn two_hundred_events_over_four_worker_processes_are_each_booked_once_in_o
     }
 }
 
+/// A worker at its defaults (`--concurrency 256`, `--batch-size 64`: four process transactions)
+/// that starts with 200 rows waiting claims them in one claim, and works them in batches of 64 at
+/// most, each in a transaction of its own: with a backlog, one claim of several batches instead of
+/// a claim per batch, so that the claims keep up when they are slow. One claim leases every row
+/// at the same `now()` (one `available_at`); the rows one process transaction marks share its
+/// `xmin`.
+#[tokio::test]
+async fn a_backlog_is_claimed_several_batches_at_a_time_and_processed_a_batch_per_transaction() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    for i in 0..200 {
+        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100 + i))
+            .await;
+    }
+    let mut w = start(worker(&db, &[]));
+    assert!(all_processed(&client, Duration::from_secs(60)).await);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 200);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE attempts <> 1").await, 0);
+    assert_eq!(scalar(&client, "SELECT count(DISTINCT available_at) FROM webhook_inbox").await, 1, "claims");
+    let batches = "SELECT count(*) AS n FROM webhook_inbox GROUP BY xmin::text";
+    assert_eq!(scalar(&client, &format!("SELECT max(n) FROM ({batches}) b")).await, 64, "largest batch");
+    assert_eq!(scalar(&client, &format!("SELECT count(*) FROM ({batches}) b")).await, 4, "batches");
+    w.signal(libc::SIGTERM);
+    assert_eq!(w.wait(Duration::from_secs(30)).code(), Some(0), "{}", w.output());
+}
+
 #[tokio::test]
 async fn an_idle_worker_wakes_when_the_ingest_stores_a_row() {
     let db = TestDb::new().await;

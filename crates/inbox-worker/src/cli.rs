@@ -171,8 +171,9 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub concurrency: u32,
 
-    /// Events claimed and processed per transaction (capped at --concurrency). Larger batches
-    /// mean fewer commits, statements and PostgreSQL CPU per event.
+    /// Events processed per transaction (capped at --concurrency); a claim takes up to one batch
+    /// per free transaction. Larger batches mean fewer commits, statements and PostgreSQL CPU per
+    /// event.
     #[arg(long, env = "INBOX_WORKER_BATCH", default_value_t = 64,
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub batch_size: u32,

@@ -167,7 +167,7 @@ impl Metrics {
         let claim_seconds = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
         registry.register(
             "inbox_worker_claim_seconds",
-            "Time of each claim statement (the round trip that leases up to --batch-size rows), when it succeeded",
+            "Time of each claim statement (the round trip that leases up to --batch-size rows per free process transaction), when it succeeded",
             claim_seconds.clone(),
         );
         let in_flight = Gauge::default();

@@ -82,7 +82,7 @@ impl RelayWake {
 pub struct Capacity {
     /// Events in flight (`--concurrency`).
     pub events: usize,
-    /// Rows per claim and per process transaction (`--batch-size`, at most `events`).
+    /// Rows per process transaction (`--batch-size`, at most `events`), and per claim of one batch.
     pub batch_size: usize,
     /// Process transactions in flight, each on its own connection: `events / batch_size`,
     /// rounded up. Without this bound, rows arriving one at a time would make one transaction
@@ -91,12 +91,20 @@ pub struct Capacity {
     /// Payload bytes in flight (`--max-bytes-in-flight`): what bounds the worker's memory whatever
     /// the size of the events. A claim may go over by one row (it always takes at least one).
     pub bytes: u64,
+    /// Batches one claim may take, each then worked by a task (and a transaction) of its own, as
+    /// many as there are free transactions up to this. The producer makes one claim at a time:
+    /// when rows wait and several batches ended during a claim (a backlog, or a machine slowed
+    /// by something else), one claim of several batches costs PostgreSQL and the round trips
+    /// less than as many claims, so the claims keep up instead of becoming what the rows wait
+    /// for. With rows arriving slower than a batch per claim, every claim takes one batch or less.
+    pub claim_batches: usize,
 }
 
 impl Capacity {
     pub fn new(events: usize, batch_size: usize, bytes: u64) -> Self {
         let batch_size = batch_size.clamp(1, events.max(1));
-        Capacity { events, batch_size, transactions: events.div_ceil(batch_size), bytes }
+        let transactions = events.div_ceil(batch_size);
+        Capacity { events, batch_size, transactions, bytes, claim_batches: transactions }
     }
 }
 
@@ -187,7 +195,8 @@ pub async fn run<W: Work>(
             }
             continue;
         }
-        let want = free_events.min(capacity.batch_size);
+        let batches = transactions.available_permits().min(capacity.claim_batches).max(1);
+        let want = free_events.min(capacity.batch_size * batches);
         let budget = i64::try_from(free_bytes).unwrap_or(i64::MAX);
         let batch = match work.claim(want, budget, cursor.start()).await {
             Ok(batch) => {
@@ -210,14 +219,18 @@ pub async fn run<W: Work>(
                 continue;
             }
         };
-        let Batch { rows, full, .. } = batch;
+        let Batch { mut rows, full, .. } = batch;
         work.observe_claim(rows.len());
-        if !rows.is_empty() {
-            let bytes: u64 = rows.iter().map(W::bytes).sum();
+        // Batches of --batch-size in the claim's order, each worked by its own task; the claim
+        // took no more rows than free places, and no more batches than free transactions.
+        while !rows.is_empty() {
+            let rest = rows.split_off(rows.len().min(capacity.batch_size));
+            let batch = std::mem::replace(&mut rows, rest);
+            let bytes: u64 = batch.iter().map(W::bytes).sum();
             // The claim stopped at the free budget but for its last row: charge what is free at most.
             let k = payloads.take_available(bytes);
             let permits = (
-                events.clone().try_acquire_many_owned(rows.len() as u32),
+                events.clone().try_acquire_many_owned(batch.len() as u32),
                 transactions.clone().try_acquire_owned(),
             );
             let (Ok(e), Ok(t)) = permits else {
@@ -225,7 +238,7 @@ pub async fn run<W: Work>(
             };
             let work = work.clone();
             tasks.spawn(async move {
-                work.process(rows, Held { rows: e, transaction: t, bytes: k }).await;
+                work.process(batch, Held { rows: e, transaction: t, bytes: k }).await;
             });
         }
         if full {

@@ -219,6 +219,8 @@ impl Settings {
                 // Batches give back their rows' places one by one and hold no connection while
                 // they deliver: the places bound them, not a number of transactions.
                 transactions: args.concurrency as usize,
+                // A claim takes one batch: its rows are marked in waves as their deliveries end.
+                claim_batches: 1,
                 ..Capacity::new(args.concurrency as usize, args.batch_size as usize, args.max_bytes_in_flight)
             },
             lease: args.lease,
