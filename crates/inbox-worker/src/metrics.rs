@@ -149,7 +149,7 @@ impl Metrics {
         let processing_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         registry.register(
             "inbox_worker_processing_seconds",
-            "Time to run one process transaction: a batch of up to --batch-size events (inbox_worker_claim_batch_size)",
+            "Time to run one process transaction: a batch of up to --batch-size events",
             processing_seconds.clone(),
         );
         let receive_to_processed_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
@@ -161,7 +161,7 @@ impl Metrics {
         let claim_batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 10));
         registry.register(
             "inbox_worker_claim_batch_size",
-            "Rows returned by each claim",
+            "Rows returned by each claim (up to --batch-size per free process transaction)",
             claim_batch_size.clone(),
         );
         let claim_seconds = Histogram::new(exponential_buckets(0.0001, 2.0, 18));

@@ -219,7 +219,8 @@ impl Settings {
                 // Batches give back their rows' places one by one and hold no connection while
                 // they deliver: the places bound them, not a number of transactions.
                 transactions: args.concurrency as usize,
-                // A claim takes one batch: its rows are marked in waves as their deliveries end.
+                // A claim takes one batch. Claims of several delivered no faster (`make bench`,
+                // relay phase): places come back row by row, and a claim waits for half a batch.
                 claim_batches: 1,
                 ..Capacity::new(args.concurrency as usize, args.batch_size as usize, args.max_bytes_in_flight)
             },
