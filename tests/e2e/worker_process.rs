@@ -42,6 +42,13 @@ async fn wait_for_booking_in_progress(client: &tokio_postgres::Client) {
     assert!(seen, "no worker reached the booking");
 }
 
+/// Stores `n` `invoice.paid` events: `evt_i` pays `in_i` 100 + i.
+async fn store_invoices(client: &tokio_postgres::Client, n: i64) {
+    for i in 0..n {
+        store_event(client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100 + i)).await;
+    }
+}
+
 async fn all_processed(client: &tokio_postgres::Client, timeout: Duration) -> bool {
     eventually(timeout, || async {
         scalar(client, "SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL").await == 0
@@ -194,10 +201,7 @@ async fn sigterm_finishes_events_in_flight_and_exits_0_losing_nothing() {
 async fn two_hundred_events_over_four_worker_processes_are_each_booked_once_in_one_attempt() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    for i in 0..200 {
-        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100 + i))
-            .await;
-    }
+    store_invoices(&client, 200).await;
     let mut workers: Vec<Proc> = (0..4).map(|_| Proc::spawn(worker(&db, &["--concurrency", "4"]))).collect();
     assert!(all_processed(&client, Duration::from_secs(60)).await);
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 200);
@@ -225,10 +229,7 @@ async fn two_hundred_events_over_four_worker_processes_are_each_booked_once_in_o
 async fn a_backlog_is_claimed_several_batches_at_a_time_and_processed_a_batch_per_transaction() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    for i in 0..200 {
-        store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100 + i))
-            .await;
-    }
+    store_invoices(&client, 200).await;
     let mut w = start(worker(&db, &[]));
     assert!(all_processed(&client, Duration::from_secs(60)).await);
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 200);
