@@ -292,9 +292,9 @@ pub async fn claim(
 /// `published_at = now()` for each row that still carries the claim that delivered it (`fenced!`,
 /// the row found by its id: `current_version!`); and for each row marked, its aggregate's next
 /// unpublished row, if held (never attempted, its `available_at` moved past now by a claim), is
-/// released: available now. Arrays `$1` ids, `$2` the claims' attempts, `$3` their lease ends. Returns the ids marked: a delivered row missing from
-/// the result lost its lease to another relay meanwhile (which delivers and marks it: the receiver
-/// gets it twice, with the same id).
+/// released: available now. Arrays `$1` ids, `$2` the claims' attempts, `$3` their lease ends.
+/// Returns the ids marked: a delivered row missing from the result lost its lease to another relay
+/// meanwhile (which delivers and marks it: the receiver gets it twice, with the same id).
 pub const MARK_PUBLISHED_SQL: &str = concat!(
     "\
 WITH published AS (
