@@ -133,9 +133,12 @@ pub struct Args {
     /// Processed rows present in the scale phase's table.
     #[arg(long, default_value_t = 1_000_000)]
     scale_rows: u64,
-    /// Queued rows drained in the scale phase (by 1 worker process).
-    #[arg(long, default_value_t = 100_000)]
-    scale_queued: u64,
+    /// Queued rows drained in the scale phase (by 1 worker process) [default: --drain-rows, so
+    /// that its rate differs from (c)'s one-process drain by the processed rows alone: ~2 KB rows
+    /// take a heap page each at the inbox's fillfactor, and a queue larger than shared_buffers
+    /// drains slower with or without the processed rows].
+    #[arg(long)]
+    scale_queued: Option<u64>,
     /// Parked rows in the console phase's needs-review list.
     #[arg(long, default_value_t = 10_000)]
     console_parked: u64,
@@ -426,7 +429,7 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
             processes: 1,
             concurrency: Some(ctx.args.worker_concurrency),
             batch_size: ctx.args.worker_batch_size,
-            queued: ctx.args.scale_queued,
+            queued: ctx.args.scale_queued.unwrap_or(ctx.args.drain_rows),
             history: ctx.args.scale_rows,
         };
         match drain::run(ctx, &plan).await {
@@ -526,7 +529,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "mem_rows": a.mem_rows,
         "mem_event_bytes": mem::EVENT_BYTES,
         "scale_rows": a.scale_rows,
-        "scale_queued": a.scale_queued,
+        "scale_queued": a.scale_queued.unwrap_or(a.drain_rows),
         "console_parked": a.console_parked,
         "console_history": a.console_history,
         "console_requests": a.console_requests,
