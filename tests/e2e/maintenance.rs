@@ -1,16 +1,18 @@
-//! Maintenance an operator runs by hand while the service goes on (docs/operations.md, "A long
-//! transaction elsewhere on the database"): each runbook step is run here as written, under load,
-//! and what it promises is checked — space given back, nothing lost or booked twice.
+//! Maintenance run while the service goes on (docs/operations.md, "A long transaction elsewhere on
+//! the database"): each runbook step and `inbox-worker reindex` are run here as written, under
+//! load, and what they promise is checked — space given back, nothing lost or booked twice.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_domain::handler::Registry;
-use inbox_test_support::db::{hold_snapshot, scalar, unprocessed};
+use inbox_test_support::db::{hold_snapshot, in_batches_of_64, scalar, unprocessed};
 use inbox_test_support::events::invoice_paid;
-use inbox_test_support::spawn_app;
+use inbox_test_support::process::command;
 use inbox_test_support::worker::{eventually, spawn_worker};
+use inbox_test_support::{spawn_app, TestDb};
+use serde_json::Value;
 
 /// Events sent while the snapshot is held (each leaves dead entries in the queue table's indexes
 /// that vacuum may not remove until it ends), and then while the runbook runs.
@@ -121,4 +123,186 @@ async fn after_a_long_snapshot_a_vacuum_full_of_the_queue_table_under_load_gives
     );
     assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
     worker.stop().await;
+}
+
+/// `inbox-worker reindex <args> --json` on `url`: its exit code, its report (stdout) and stderr.
+async fn reindex(url: &str, args: &[&str]) -> (i32, Option<Value>, String) {
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", url).arg("reindex").args(args).arg("--json");
+    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || {
+        inbox_test_support::process::run_split(cmd, Duration::from_secs(120))
+    })
+    .await
+    .unwrap();
+    (code, serde_json::from_str(&stdout).ok(), format!("{stdout}\n{stderr}"))
+}
+
+/// The report's entry for `index`.
+fn entry<'a>(report: &'a Value, index: &str) -> &'a Value {
+    report["indexes"]
+        .as_array()
+        .and_then(|all| all.iter().find(|i| i["index"] == index))
+        .unwrap_or_else(|| panic!("no {index} in {report}"))
+}
+
+/// Invalid indexes on the queue tables: what an interrupted rebuild leaves.
+async fn invalid_indexes(client: &tokio_postgres::Client) -> i64 {
+    scalar(
+        client,
+        "SELECT count(*) FROM pg_index
+          WHERE indrelid IN ('webhook_inbox_queue'::regclass, 'outbox'::regclass) AND NOT indisvalid",
+    )
+    .await
+}
+
+/// The same as the runbook's `VACUUM FULL`, without its exclusive lock: after a long snapshot,
+/// `inbox-worker reindex` rebuilds the queue table's grown indexes with `REINDEX CONCURRENTLY`
+/// while webhooks keep arriving and the worker keeps booking them. Its report says it rebuilt
+/// them, the indexes are a fraction of their size, no copy is left behind, every event sent is
+/// booked exactly once, and the queue still holds every waiting row (the drain finishes).
+#[tokio::test]
+async fn after_a_long_snapshot_reindex_rebuilds_the_grown_queue_indexes_under_load_and_loses_nothing() {
+    let app = Arc::new(spawn_app().await);
+    let client = app.db.client().await;
+    let worker = spawn_worker(&app.db, Registry::with_invoice_handlers(), |s| {
+        s.poll_interval = Duration::from_millis(100)
+    })
+    .await;
+
+    let reporting = hold_snapshot(&app.db, "webhook_inbox").await;
+    for chunk in (0..HELD).collect::<Vec<_>>().chunks(50) {
+        let replies =
+            futures_util::future::join_all(chunk.iter().map(|i| {
+                app.post_signed(invoice_paid(&format!("evt_held_{i}"), &format!("in_held_{i}"), 100))
+            }))
+            .await;
+        assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+    }
+    assert!(eventually(Duration::from_secs(60), || async { unprocessed(&client).await == 0 }).await);
+    reporting.batch_execute("COMMIT").await.unwrap();
+    client.batch_execute("VACUUM webhook_inbox_queue").await.unwrap();
+    let grown = queue_index_bytes(&client).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicI64::new(0));
+    let load = tokio::spawn({
+        let (app, stop, sent) = (app.clone(), stop.clone(), sent.clone());
+        async move {
+            let mut i = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let replies = futures_util::future::join_all((i..i + 10).map(|i| {
+                    app.post_signed(invoice_paid(&format!("evt_load_{i}"), &format!("in_load_{i}"), 100))
+                }))
+                .await;
+                assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+                i += 10;
+                sent.store(i, Ordering::SeqCst);
+            }
+        }
+    });
+    assert!(eventually(Duration::from_secs(30), || async { sent.load(Ordering::SeqCst) >= 100 }).await);
+
+    // The test's indexes are far under the default --min-size.
+    let (code, report, output) = reindex(&app.db.url(), &["--min-size", "0"]).await;
+    assert_eq!(code, 0, "{output}");
+    let report = report.unwrap();
+    let by_type = entry(&report, "webhook_inbox_queue_by_type");
+    assert_eq!(by_type["action"], "rebuilt", "{report}");
+    let rebuilt = queue_index_bytes(&client).await;
+    let during = sent.load(Ordering::SeqCst);
+    assert!(
+        eventually(Duration::from_secs(30), || async { sent.load(Ordering::SeqCst) >= during + 100 }).await
+    );
+    stop.store(true, Ordering::SeqCst);
+    load.await.unwrap();
+
+    assert!(
+        rebuilt * 4 < grown,
+        "the queue table's indexes: {grown} bytes after the snapshot and a vacuum, {rebuilt} after reindex"
+    );
+    assert_eq!(invalid_indexes(&client).await, 0, "a rebuild's copy left behind");
+    assert!(
+        eventually(Duration::from_secs(60), || async { unprocessed(&client).await == 0 }).await,
+        "{} rows left unprocessed, {} in the queue",
+        unprocessed(&client).await,
+        scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await
+    );
+    let events = HELD + sent.load(Ordering::SeqCst);
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox").await, events);
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM ledger_entries").await,
+        events,
+        "each event booked once"
+    );
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
+    worker.stop().await;
+}
+
+/// While a snapshot is still held, a rebuild would wait for it (and keep every entry it keeps):
+/// `reindex` gives up at its `--lock-timeout`, says why, exits 1 and drops the copy it started, so
+/// that no invalid index is left for every write to maintain. A copy left by a rebuild interrupted
+/// some other way is shown by `--dry-run`, which changes nothing, and dropped by the next run; a
+/// queue index that has not grown is left alone; once the snapshot has ended the grown one is
+/// rebuilt.
+#[tokio::test]
+async fn reindex_gives_up_on_a_held_snapshot_at_its_lock_timeout_and_drops_what_an_interrupted_rebuild_left()
+{
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    // Stored, leased and processed 64 at a time, under a snapshot: dead entries in the queue
+    // table's indexes that nothing may remove while it is held.
+    let batch = "(provider, endpoint, event_id) IN (SELECT 'stripe', 'billing', 'evt_' || i FROM generate_series($1::int4, $2::int4) i)";
+    let reporting = hold_snapshot(&db, "webhook_inbox").await;
+    in_batches_of_64(
+        &client,
+        3000,
+        &[
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid', '{}' FROM generate_series($1::int4, $2::int4) i",
+            &format!("UPDATE webhook_inbox SET available_at = now() + interval '30 s', attempts = 1 WHERE {batch}"),
+            &format!("UPDATE webhook_inbox SET processed_at = now() WHERE {batch}"),
+        ],
+    )
+    .await;
+    client.batch_execute("ANALYZE webhook_inbox_queue, outbox").await.unwrap();
+    let grown = scalar(&client, "SELECT pg_relation_size('webhook_inbox_queue_by_type')").await;
+
+    let (code, report, output) = reindex(&db.url(), &["--min-size", "0", "--lock-timeout", "1s"]).await;
+    assert_eq!(code, 1, "{output}");
+    let report = report.unwrap();
+    let by_type = entry(&report, "webhook_inbox_queue_by_type");
+    assert_eq!(by_type["action"], "failed", "{report}");
+    assert!(by_type["reason"].as_str().unwrap().contains("--lock-timeout (1s)"), "{report}");
+    assert!(output.contains("run reindex again"), "{output}");
+    assert_eq!(invalid_indexes(&client).await, 0, "the copy of the rebuild given up");
+    assert_eq!(
+        scalar(&client, "SELECT pg_relation_size('webhook_inbox_queue_by_type')").await,
+        grown,
+        "the index is the one it was"
+    );
+
+    // A rebuild interrupted otherwise (its session's lock timeout, here) leaves its copy.
+    let other = db.client().await;
+    other.batch_execute("SET lock_timeout = '200ms'").await.unwrap();
+    let interrupted = other.batch_execute("REINDEX INDEX CONCURRENTLY webhook_inbox_queue_pkey").await;
+    assert!(interrupted.is_err());
+    assert_eq!(invalid_indexes(&client).await, 1);
+    reporting.batch_execute("COMMIT").await.unwrap();
+
+    let (code, report, output) = reindex(&db.url(), &["--min-size", "0", "--dry-run"]).await;
+    assert_eq!(code, 0, "{output}");
+    let report = report.unwrap();
+    assert_eq!(entry(&report, "webhook_inbox_queue_pkey_ccnew")["action"], "would_drop", "{report}");
+    assert_eq!(entry(&report, "webhook_inbox_queue_by_type")["action"], "would_rebuild", "{report}");
+    assert_eq!(invalid_indexes(&client).await, 1, "a dry run changes nothing");
+
+    let (code, report, output) = reindex(&db.url(), &["--min-size", "0"]).await;
+    assert_eq!(code, 0, "{output}");
+    let report = report.unwrap();
+    assert_eq!(entry(&report, "webhook_inbox_queue_pkey_ccnew")["action"], "dropped", "{report}");
+    assert_eq!(entry(&report, "webhook_inbox_queue_by_type")["action"], "rebuilt", "{report}");
+    assert_eq!(entry(&report, "outbox_pkey")["action"], "left", "an empty outbox's index: {report}");
+    assert_eq!(invalid_indexes(&client).await, 0);
+    let rebuilt = scalar(&client, "SELECT pg_relation_size('webhook_inbox_queue_by_type')").await;
+    assert!(rebuilt * 4 < grown, "{grown} bytes before, {rebuilt} after");
 }

@@ -120,6 +120,9 @@ pub enum Command {
     Dismiss(ops::dismiss::Args),
     /// Delete processed rows older than an age, in batches.
     Purge(ops::purge::Args),
+    /// Rebuild the queue table's and the outbox's indexes that grew well past their contents (after
+    /// a long snapshot elsewhere), without blocking writers; run as the tables' owner.
+    Reindex(ops::reindex::Args),
     /// Check a stored event against the signature kept with its raw body (ingest --keep-raw):
     /// which configured secret made it, and that the payload is the signed body.
     Verify(ops::verify::Args),
@@ -151,6 +154,7 @@ impl Command {
             Command::Replay(a) => a.output.json,
             Command::Dismiss(a) => a.output.json,
             Command::Purge(a) => a.output.json,
+            Command::Reindex(a) => a.output.json,
             Command::Verify(a) => a.output.json,
             Command::Reconciliation(a) => a.json(),
             Command::Reconcile(a) => a.output.json,

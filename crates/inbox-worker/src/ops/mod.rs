@@ -1,5 +1,5 @@
 //! The operator commands, one module each: `migrate`, `stats`, `needs-review`, `requeue`,
-//! `replay`, `dismiss`, `purge`, `verify`, `reconcile`, `reconciliation`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
+//! `replay`, `dismiss`, `purge`, `reindex`, `verify`, `reconcile`, `reconciliation`. Each holds its flags (`Args`) and a `run` that reads or changes rows through
 //! the store (`inbox_domain::inbox::store::admin`) and presents the result with [`output`]: a table
 //! on stdout, or one JSON document with `--json`. A refusal is an error saying why (the binary
 //! prints `<name>: error: …` and exits 1).
@@ -24,6 +24,7 @@ pub mod output;
 pub mod purge;
 pub mod reconcile;
 pub mod reconciliation;
+pub mod reindex;
 pub mod replay;
 pub mod requeue;
 pub mod stats;
@@ -187,6 +188,13 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
              with INBOX_DB_POOLER=none"
         );
     }
+    if matches!(command, Command::Reindex(_)) && pooler == Pooler::Transaction {
+        anyhow::bail!(
+            "reindex sets its timeouts for the session and rebuilds outside any transaction, which a \
+             transaction pooler does not keep to one server connection: run it against the server or \
+             a session-mode pool, with INBOX_DB_POOLER=none"
+        );
+    }
     let mut command = command;
     match &mut command {
         Command::Requeue(args) => args.actor.fill(),
@@ -223,6 +231,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Replay(args) => replay::run(&mut conn, registry, pooler, &args).await,
         Command::Dismiss(args) => dismiss::run(&mut conn, &args).await,
         Command::Purge(args) => purge::run(&mut conn, &args).await,
+        Command::Reindex(args) => reindex::run(&conn, &args).await,
         Command::Verify(args) => verify::run(&**conn, &args).await,
         Command::Reconciliation(args) => reconciliation::run(&mut conn, &args).await,
         Command::Reconcile(args) => reconcile::run(&mut conn, registry, &args).await,

@@ -17,6 +17,17 @@
 //! more (a row lock and a write) than the look itself. The function takes an advisory lock, so two
 //! workers never analyse at once, and once one has analysed a table the condition is false for
 //! everyone until the next reset.
+//!
+//! # Rebuilding the queue tables' indexes
+//! The queue table's and the outbox's indexes hold few live entries (the backlog, the undelivered
+//! rows) and take many dead ones (every claim and mark). Vacuum removes the dead entries and
+//! frees their pages for reuse, but an index never gives pages back. While a snapshot is held
+//! elsewhere (a report, a session idle in transaction, a standby's feedback) nothing dead can be
+//! removed, and these indexes grow by every entry since it began: in the soak, a 5-minute snapshot
+//! at 800 events/s took them from 1–6 MiB to 18–22 MiB each, where they stayed (docs/performance.md).
+//! `inbox-worker reindex`, run by the tables' owner, rebuilds each of them that has grown well past
+//! what a rebuild would give it, with `REINDEX INDEX CONCURRENTLY`: the ingest, the workers and the
+//! relays go on writing while it runs. [`QueueIndex::verdict`] decides; the statements are below.
 
 use tokio_postgres::Client;
 
@@ -66,4 +77,179 @@ pub async fn analyze_after_stats_reset(
             dead_tuples: row.get("dead_tuples"),
         })
         .collect())
+}
+
+/// The indexes of `webhook_inbox_queue` and `outbox`, with what [`QueueIndex::verdict`] needs: the
+/// index's size, its entries as the last vacuum or analyse counted them (`reltuples`, -1 before
+/// any), and an estimate of one entry's bytes on a leaf page — the line pointer (4) and the index
+/// tuple's header (8), then the key columns: a fixed-width type's length, a variable one's average
+/// width from `pg_stats` (plus its 1-byte header; 32 without statistics), rounded up to 8 as tuples
+/// are aligned. `leftover`: an invalid index named as `REINDEX CONCURRENTLY` names its temporary
+/// copies (`<index>_ccnew`, `_ccold`, with a digit when taken): what an interrupted rebuild leaves,
+/// which every write still maintains. `owned`: whether the current role may rebuild it (only the
+/// table's owner, or a member of its role, may). `name` is the index quoted for a statement.
+pub const QUEUE_INDEXES_SQL: &str = "\
+SELECT format('%I.%I', n.nspname, ic.relname) AS name,
+       ic.relname::text AS index,
+       t.relname::text AS table_name,
+       pg_relation_size(ic.oid) AS bytes,
+       ic.reltuples::float8 AS entries,
+       12 + ((SELECT COALESCE(sum(CASE WHEN a.attlen > 0 THEN a.attlen
+                                        ELSE COALESCE(s.avg_width, 32) + 1 END), 0)
+                FROM pg_attribute a
+                LEFT JOIN pg_stats s
+                  ON s.schemaname = n.nspname AND s.tablename = t.relname AND s.attname = a.attname
+               WHERE a.attrelid = ic.oid AND a.attnum > 0) + 7) / 8 * 8 AS entry_bytes,
+       i.indisvalid AS valid,
+       (NOT i.indisvalid AND ic.relname ~ '_cc(new|old)[0-9]*$') AS leftover,
+       pg_has_role(t.relowner, 'USAGE') AS owned
+  FROM pg_index i
+  JOIN pg_class ic ON ic.oid = i.indexrelid
+  JOIN pg_class t ON t.oid = i.indrelid
+  JOIN pg_namespace n ON n.oid = ic.relnamespace
+ WHERE i.indrelid IN ('webhook_inbox_queue'::regclass, 'outbox'::regclass)
+ ORDER BY t.relname, ic.relname";
+
+/// One index of [`QUEUE_INDEXES_SQL`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueIndex {
+    /// The index, schema-qualified and quoted, for a statement.
+    pub name: String,
+    /// Its bare name, for people.
+    pub index: String,
+    /// `webhook_inbox_queue` or `outbox`.
+    pub table: String,
+    /// Its size on disk.
+    pub bytes: i64,
+    /// Its entries as the last vacuum or analyse counted them; None before any.
+    pub entries: Option<f64>,
+    /// The estimated bytes of one entry on a leaf page (see [`QUEUE_INDEXES_SQL`]).
+    pub entry_bytes: i64,
+    /// Whether the index is valid (an interrupted concurrent build leaves an invalid one).
+    pub valid: bool,
+    /// An invalid temporary copy left by an interrupted `REINDEX CONCURRENTLY`.
+    pub leftover: bool,
+    /// Whether the current role may rebuild or drop it.
+    pub owned: bool,
+}
+
+/// Bytes of a leaf page that entries fill when an index is built: the page less its header (24)
+/// and the B-tree's special space (16), at the default leaf fillfactor of 90 %.
+const LEAF_BYTES_AT_BUILD: f64 = (8192.0 - 24.0 - 16.0) * 0.9;
+
+/// How many times what a rebuild would give it an index must be before `reindex` rebuilds it. An
+/// index that takes dead entries between vacuums is always somewhat larger than a fresh build, and
+/// grows back to that size after one: rebuilding it then would buy nothing for a scan of its table.
+pub const REBUILD_WHEN_GROWN: f64 = 4.0;
+
+/// What `reindex` does with an index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// A leftover of an interrupted rebuild: dropped.
+    DropLeftover,
+    /// At least [`REBUILD_WHEN_GROWN`] × its estimated rebuilt size, and at least the minimum: rebuilt.
+    Rebuild,
+    /// Smaller than the minimum size asked for: left.
+    Small,
+    /// Within [`REBUILD_WHEN_GROWN`] × its estimated rebuilt size: left.
+    NotGrown,
+    /// No vacuum or analyse has counted its entries yet: left.
+    NoStatistics,
+    /// Invalid, and not a leftover of a rebuild (someone else's build): left, and reported.
+    Invalid,
+}
+
+impl QueueIndex {
+    /// The size a rebuild would give the index, estimated: its entries at [`LEAF_BYTES_AT_BUILD`]
+    /// a page, at least one page. None without a count of its entries.
+    pub fn rebuilt_bytes(&self) -> Option<i64> {
+        let entries = self.entries?;
+        let pages = (entries * self.entry_bytes as f64 / LEAF_BYTES_AT_BUILD).ceil().max(1.0);
+        Some(pages as i64 * 8192)
+    }
+
+    /// What `reindex` does with this index, given the smallest size worth a rebuild.
+    pub fn verdict(&self, min_bytes: i64) -> Verdict {
+        if self.leftover {
+            return Verdict::DropLeftover;
+        }
+        if !self.valid {
+            return Verdict::Invalid;
+        }
+        if self.bytes < min_bytes {
+            return Verdict::Small;
+        }
+        match self.rebuilt_bytes() {
+            None => Verdict::NoStatistics,
+            Some(rebuilt) if self.bytes as f64 >= REBUILD_WHEN_GROWN * rebuilt as f64 => Verdict::Rebuild,
+            Some(_) => Verdict::NotGrown,
+        }
+    }
+}
+
+/// Lists the indexes of the queue tables ([`QUEUE_INDEXES_SQL`]).
+pub async fn queue_indexes(client: &Client) -> Result<Vec<QueueIndex>, tokio_postgres::Error> {
+    let rows = client.query_typed(QUEUE_INDEXES_SQL, &[]).await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let entries: f64 = row.get("entries");
+            QueueIndex {
+                name: row.get("name"),
+                index: row.get("index"),
+                table: row.get("table_name"),
+                bytes: row.get("bytes"),
+                entries: (entries >= 0.0).then_some(entries),
+                entry_bytes: row.get("entry_bytes"),
+                valid: row.get("valid"),
+                leftover: row.get("leftover"),
+                owned: row.get("owned"),
+            }
+        })
+        .collect())
+}
+
+/// Sets the session's timeouts for [`rebuild_index`] and [`drop_leftover_index`], which run
+/// outside any transaction (PostgreSQL refuses `CONCURRENTLY` in one): how long any wait for a
+/// lock may last — including `REINDEX CONCURRENTLY`'s waits for the transactions that hold the
+/// table, and for those whose snapshot is older than its build — and how long a statement may run.
+pub async fn set_rebuild_timeouts(
+    client: &Client,
+    lock_timeout: std::time::Duration,
+    statement_timeout: std::time::Duration,
+) -> Result<(), tokio_postgres::Error> {
+    let ms = |d: std::time::Duration| format!("{}ms", d.as_millis().max(1));
+    client
+        .query_typed(
+            "SELECT set_config('lock_timeout', $1, false), set_config('statement_timeout', $2, false)",
+            &[
+                (&ms(lock_timeout), tokio_postgres::types::Type::TEXT),
+                (&ms(statement_timeout), tokio_postgres::types::Type::TEXT),
+            ],
+        )
+        .await
+        .map(drop)
+}
+
+/// Rebuilds an index of [`queue_indexes`] without blocking its table's writers: `REINDEX INDEX
+/// CONCURRENTLY` builds a copy beside it, swaps them and drops the old one. Interrupted (a lock
+/// timeout, a statement timeout, a cancel), it leaves the copy behind, invalid
+/// (`<index>_ccnew`): [`drop_leftover_index`] removes it. `name` must be an index's `name` as
+/// [`queue_indexes`] returned it (already quoted).
+pub async fn rebuild_index(client: &Client, name: &str) -> Result<(), tokio_postgres::Error> {
+    client.batch_execute(&format!("REINDEX INDEX CONCURRENTLY {name}")).await
+}
+
+/// Drops a leftover of an interrupted rebuild (`DROP INDEX CONCURRENTLY`, which waits only for the
+/// transactions using its table). `name` as for [`rebuild_index`].
+pub async fn drop_leftover_index(client: &Client, name: &str) -> Result<(), tokio_postgres::Error> {
+    client.batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {name}")).await
+}
+
+/// The size of an index now (after a rebuild).
+pub async fn index_bytes(client: &Client, name: &str) -> Result<i64, tokio_postgres::Error> {
+    let row = client
+        .query_typed("SELECT pg_relation_size($1::regclass)", &[(&name, tokio_postgres::types::Type::TEXT)])
+        .await?;
+    Ok(row.first().map_or(0, |r| r.get(0)))
 }

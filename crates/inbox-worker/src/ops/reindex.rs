@@ -1,0 +1,244 @@
+//! `reindex`: rebuilds the indexes of the queue table and the outbox that have grown well past what
+//! a rebuild would give them — after a long snapshot held elsewhere, typically — with `REINDEX
+//! INDEX CONCURRENTLY`, and drops what an interrupted rebuild left. Run by the tables' owner
+//! (`inbox_owner`), from a timer or by hand; the ingest, the workers and the relays go on meanwhile.
+//! Which index and why: `inbox_domain::inbox::store::maintenance` ("Rebuilding the queue tables'
+//! indexes"). It changes no row, so it writes no audit record.
+//!
+//! Each rebuild waits for the transactions that hold its table, and for those whose snapshot is
+//! older than its build: a snapshot held for minutes would hold it as long, and keep in the new
+//! index every entry it keeps in the old. `--lock-timeout` bounds every such wait; a rebuild that
+//! runs out of it is given up, its copy dropped, and the command exits 1 saying so (run it again
+//! once the snapshot has ended). The next index is still tried.
+
+use std::time::{Duration, Instant};
+
+use clap::Args as ClapArgs;
+use inbox_domain::config::{parse_byte_size, parse_duration};
+use inbox_domain::db::describe_db_error;
+use inbox_domain::inbox::store::maintenance::{self, QueueIndex, Verdict};
+use serde::Serialize;
+
+use super::db_error;
+use super::output::{emit, emit_json, AfterReport, OutputArgs, Table};
+
+/// Flags of `reindex`.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// Say what would be rebuilt or dropped; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Leave indexes smaller than this, however much of them is empty: they cost little, and
+    /// the churn of claims and marks grows a queue index back to a few MiB between vacuums.
+    #[arg(long, default_value = "8MiB", value_parser = parse_byte_size)]
+    pub min_size: u64,
+    /// The longest any rebuild waits for a lock, or for a transaction whose snapshot is older than
+    /// its build (PostgreSQL's lock_timeout for this session).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub lock_timeout: Duration,
+    /// The longest one rebuild may take (statement_timeout for this session).
+    #[arg(long, default_value = "30m", value_parser = parse_duration)]
+    pub timeout: Duration,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// One index in the report.
+#[derive(Debug, Serialize)]
+struct Outcome {
+    index: String,
+    table: String,
+    bytes: i64,
+    entries: Option<f64>,
+    rebuilt_bytes_estimate: Option<i64>,
+    /// `rebuilt`, `dropped` (a leftover), `would_rebuild`, `would_drop` (--dry-run), `left`,
+    /// `failed`.
+    action: &'static str,
+    /// Why it was left or failed.
+    reason: Option<String>,
+    bytes_after: Option<i64>,
+    seconds: Option<f64>,
+}
+
+/// `reindex`.
+pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result<()> {
+    let indexes =
+        maintenance::queue_indexes(client).await.map_err(db_error("listing the queue tables' indexes"))?;
+    let min_bytes = i64::try_from(args.min_size).unwrap_or(i64::MAX);
+    let to_change: Vec<&QueueIndex> = indexes
+        .iter()
+        .filter(|i| matches!(i.verdict(min_bytes), Verdict::Rebuild | Verdict::DropLeftover))
+        .collect();
+    if let Some(index) = to_change.iter().find(|i| !i.owned) {
+        super::refuse!(
+            "{} needs rebuilding, and only the owner of {} may rebuild it: run reindex as the \
+             tables' owner (inbox_owner)",
+            index.index,
+            index.table
+        );
+    }
+    if !args.dry_run && !to_change.is_empty() {
+        maintenance::set_rebuild_timeouts(client, args.lock_timeout, args.timeout)
+            .await
+            .map_err(db_error("setting the session's timeouts"))?;
+    }
+    // Leftovers first: each is maintained by every write until it is dropped.
+    let mut order: Vec<&QueueIndex> = indexes.iter().collect();
+    order.sort_by_key(|i| i.verdict(min_bytes) != Verdict::DropLeftover);
+    let mut outcomes = Vec::with_capacity(order.len());
+    for index in order {
+        outcomes.push(act(client, index, min_bytes, args).await);
+    }
+    let failed = outcomes.iter().filter(|o| o.action == "failed").count();
+    if args.output.json {
+        #[derive(Serialize)]
+        struct Report<'a> {
+            action: &'static str,
+            dry_run: bool,
+            min_size_bytes: u64,
+            indexes: &'a [Outcome],
+        }
+        emit_json(&Report {
+            action: "reindex",
+            dry_run: args.dry_run,
+            min_size_bytes: args.min_size,
+            indexes: &outcomes,
+        })?;
+    } else {
+        emit(&render(&outcomes))?;
+    }
+    if failed > 0 {
+        return Err(AfterReport(format!(
+            "{failed} of the rebuilds did not finish (see the report); their copies were dropped: run reindex again"
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// Does what the verdict says with one index and reports it.
+async fn act(client: &tokio_postgres::Client, index: &QueueIndex, min_bytes: i64, args: &Args) -> Outcome {
+    let mut outcome = Outcome {
+        index: index.index.clone(),
+        table: index.table.clone(),
+        bytes: index.bytes,
+        entries: index.entries,
+        rebuilt_bytes_estimate: index.rebuilt_bytes(),
+        action: "left",
+        reason: None,
+        bytes_after: None,
+        seconds: None,
+    };
+    let left = |reason: String| Some(reason);
+    match index.verdict(min_bytes) {
+        Verdict::Small => outcome.reason = left(format!("under --min-size ({})", mib(min_bytes))),
+        Verdict::NotGrown => {
+            outcome.reason =
+                left(format!("under {}× the size a rebuild would give it", maintenance::REBUILD_WHEN_GROWN))
+        }
+        Verdict::NoStatistics => {
+            outcome.reason = left("no vacuum or analyse has counted its entries yet".to_owned())
+        }
+        Verdict::Invalid => {
+            outcome.reason = left("invalid, and not a leftover of a rebuild: not ours to drop".to_owned())
+        }
+        Verdict::DropLeftover if args.dry_run => outcome.action = "would_drop",
+        Verdict::Rebuild if args.dry_run => outcome.action = "would_rebuild",
+        Verdict::DropLeftover => {
+            let started = Instant::now();
+            match maintenance::drop_leftover_index(client, &index.name).await {
+                Ok(()) => outcome.action = "dropped",
+                Err(e) => {
+                    outcome.action = "failed";
+                    outcome.reason = Some(format!("dropping it: {}", describe_db_error(&e)));
+                }
+            }
+            outcome.seconds = Some(started.elapsed().as_secs_f64());
+        }
+        Verdict::Rebuild => {
+            let started = Instant::now();
+            match maintenance::rebuild_index(client, &index.name).await {
+                Ok(()) => {
+                    outcome.action = "rebuilt";
+                    outcome.bytes_after = maintenance::index_bytes(client, &index.name).await.ok();
+                }
+                Err(e) => {
+                    outcome.action = "failed";
+                    outcome.reason = Some(failure(&e, args));
+                    drop_copies(client, index).await;
+                }
+            }
+            outcome.seconds = Some(started.elapsed().as_secs_f64());
+        }
+    }
+    outcome
+}
+
+/// Why a rebuild failed, in words an operator can act on.
+fn failure(e: &tokio_postgres::Error, args: &Args) -> String {
+    use tokio_postgres::error::SqlState;
+    match e.code() {
+        Some(&SqlState::LOCK_NOT_AVAILABLE) => format!(
+            "waited longer than --lock-timeout ({}) for a transaction holding the table, or one whose \
+             snapshot is older than the rebuild (a long report, a session idle in transaction): \
+             docs/operations.md, \"A long transaction elsewhere on the database\"",
+            humantime::format_duration(args.lock_timeout)
+        ),
+        Some(&SqlState::QUERY_CANCELED) => {
+            format!("cancelled, or ran longer than --timeout ({})", humantime::format_duration(args.timeout))
+        }
+        _ => describe_db_error(e),
+    }
+}
+
+/// Drops the copies an interrupted rebuild of `index` left (best effort: the next run drops what
+/// is still there).
+async fn drop_copies(client: &tokio_postgres::Client, index: &QueueIndex) {
+    let Ok(now) = maintenance::queue_indexes(client).await else { return };
+    for leftover in now.iter().filter(|i| i.leftover && i.table == index.table) {
+        if leftover.index.starts_with(&index.index) {
+            if let Err(e) = maintenance::drop_leftover_index(client, &leftover.name).await {
+                tracing::warn!(
+                    index = leftover.index,
+                    error = describe_db_error(&e),
+                    "could not drop a rebuild's copy"
+                );
+            }
+        }
+    }
+}
+
+fn mib(bytes: i64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn render(outcomes: &[Outcome]) -> String {
+    let mut table = Table::new(&[
+        ("index", false),
+        ("size", true),
+        ("entries", true),
+        ("rebuilt (est.)", true),
+        ("action", false),
+        ("after", true),
+        ("seconds", true),
+    ]);
+    for o in outcomes {
+        table.push(vec![
+            format!("{}.{}", o.table, o.index),
+            mib(o.bytes),
+            o.entries.map_or_else(|| "-".to_owned(), |e| format!("{e:.0}")),
+            o.rebuilt_bytes_estimate.map_or_else(|| "-".to_owned(), mib),
+            match (o.action, &o.reason) {
+                ("left", Some(reason)) => format!("left: {reason}"),
+                (action, _) => action.to_owned(),
+            },
+            o.bytes_after.map_or_else(|| "-".to_owned(), mib),
+            o.seconds.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")),
+        ]);
+    }
+    let mut text = table.render();
+    for o in outcomes.iter().filter(|o| o.reason.is_some() && o.action != "left") {
+        text.push_str(&format!("{}: {}\n", o.index, o.reason.as_deref().unwrap_or_default()));
+    }
+    text
+}
