@@ -3,7 +3,8 @@
 //! One `inbox-ingest`, one `inbox-worker run` and one `inbox-worker relay` (to an HTTP receiver in
 //! this process), worker and relay with no tuning flags; signed unique `invoice.paid` webhooks
 //! sent open loop at `--soak-rate` (default: half of (b)'s 32-connection rate) for
-//! `--soak-duration`; `inbox-worker purge` at its shortest retention every `--soak-purge-every`;
+//! `--soak-duration`; `inbox-worker purge` at its shortest retention every `--soak-purge-every`,
+//! each followed by `inbox-worker reindex` at its defaults (as a deployment's timer runs it);
 //! a REPEATABLE READ transaction (a reporting query) held open for `--soak-snapshot` from the
 //! middle of the run. Every `--soak-sample` one sample: events processed and their
 //! receive→processed p50/p99, the worker's claim latency (its `inbox_worker_claim_seconds`), the
@@ -718,13 +719,67 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or("–".into(), |v| format!("{v:.digits$}"))
 }
 
-/// One run of `inbox-worker purge`.
+/// One run of `inbox-worker purge`, and of the `inbox-worker reindex` after it.
 #[derive(Debug, Clone)]
 struct Purge {
     at: f64,
     seconds: f64,
     report: Value,
     error: Option<String>,
+    reindex: Reindex,
+}
+
+/// One run of `inbox-worker reindex` at its defaults: its report (also when it exits 1, having
+/// given up a rebuild) and what went wrong.
+#[derive(Debug, Clone, Default)]
+struct Reindex {
+    seconds: f64,
+    report: Value,
+    error: Option<String>,
+}
+
+impl Reindex {
+    /// `index: action` of each index it rebuilt, dropped or failed on.
+    fn summary(&self) -> String {
+        let acted: Vec<String> = self.report["indexes"]
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .filter(|i| i["action"] != "left")
+                    .map(|i| {
+                        format!(
+                            "{} {}",
+                            i["index"].as_str().unwrap_or("?"),
+                            i["action"].as_str().unwrap_or("?")
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        match (&self.error, acted.is_empty()) {
+            (Some(e), _) => format!("reindex {:.1} s: {} — {e}", self.seconds, acted.join(", ")),
+            (None, true) => format!("reindex {:.1} s: nothing to rebuild", self.seconds),
+            (None, false) => format!("reindex {:.1} s: {}", self.seconds, acted.join(", ")),
+        }
+    }
+}
+
+async fn reindex(ctx: &Ctx, url: &str) -> Reindex {
+    let mut cmd = ctx.bins.command("inbox-worker", url);
+    cmd.args(["reindex", "--json"]);
+    let started = Instant::now();
+    let out = tokio::task::spawn_blocking(move || cmd.output()).await;
+    let seconds = started.elapsed().as_secs_f64();
+    match out {
+        Ok(Ok(o)) => Reindex {
+            seconds,
+            report: serde_json::from_slice::<Value>(&o.stdout).unwrap_or(Value::Null),
+            error: (!o.status.success())
+                .then(|| format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())),
+        },
+        Ok(Err(e)) => Reindex { seconds, report: Value::Null, error: Some(e.to_string()) },
+        Err(e) => Reindex { seconds, report: Value::Null, error: Some(e.to_string()) },
+    }
 }
 
 async fn purge(ctx: &Ctx, url: &str, t0: Instant) -> Purge {
@@ -742,22 +797,19 @@ async fn purge(ctx: &Ctx, url: &str, t0: Instant) -> Purge {
     let at = started.duration_since(t0).as_secs_f64();
     let out = tokio::task::spawn_blocking(move || cmd.output()).await;
     let seconds = started.elapsed().as_secs_f64();
-    match out {
+    let reindex = reindex(ctx, url).await;
+    let (report, error) = match out {
         Ok(Ok(o)) if o.status.success() => match serde_json::from_slice::<Value>(&o.stdout) {
-            Ok(report) => Purge { at, seconds, report, error: None },
-            Err(e) => {
-                Purge { at, seconds, report: Value::Null, error: Some(format!("purge --json output: {e}")) }
-            }
+            Ok(report) => (report, None),
+            Err(e) => (Value::Null, Some(format!("purge --json output: {e}"))),
         },
-        Ok(Ok(o)) => Purge {
-            at,
-            seconds,
-            report: Value::Null,
-            error: Some(format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())),
-        },
-        Ok(Err(e)) => Purge { at, seconds, report: Value::Null, error: Some(e.to_string()) },
-        Err(e) => Purge { at, seconds, report: Value::Null, error: Some(e.to_string()) },
-    }
+        Ok(Ok(o)) => {
+            (Value::Null, Some(format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())))
+        }
+        Ok(Err(e)) => (Value::Null, Some(e.to_string())),
+        Err(e) => (Value::Null, Some(e.to_string())),
+    };
+    Purge { at, seconds, report, error, reindex }
 }
 
 /// The open-loop load, chunk by chunk; returns the counts and each chunk's HTTP p99.
@@ -878,12 +930,13 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
             tokio::time::sleep_until((t0 + a.soak_purge_every * k).into()).await;
             let p = purge(ctx, &db.url, t0).await;
             ctx.say(&format!(
-                "soak: purge at {:.1} min: {:.2} s, {} inbox + {} outbox rows deleted{}",
+                "soak: purge at {:.1} min: {:.2} s, {} inbox + {} outbox rows deleted{}; {}",
                 p.at / 60.0,
                 p.seconds,
                 p.report["deleted"],
                 p.report["outbox_deleted"],
-                p.error.as_ref().map_or(String::new(), |e| format!(" — FAILED: {e}"))
+                p.error.as_ref().map_or(String::new(), |e| format!(" — FAILED: {e}")),
+                p.reindex.summary()
             ));
             purges.push(p);
             k += 1;
@@ -999,6 +1052,11 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
         "purges": purges.iter().map(|p| json!({
             "at_s": p.at, "seconds": p.seconds, "deleted": p.report["deleted"],
             "outbox_deleted": p.report["outbox_deleted"], "batches": p.report["batches"], "error": p.error,
+            "reindex": {
+                "seconds": p.reindex.seconds, "error": p.reindex.error,
+                "indexes": p.reindex.report["indexes"].as_array().map(|all| all.iter()
+                    .filter(|i| i["action"] != "left").cloned().collect::<Vec<_>>()),
+            },
         })).collect::<Vec<_>>(),
         "worker_defaults": ctx.worker_defaults,
         "dir": dir.display().to_string(),
