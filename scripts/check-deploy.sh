@@ -664,6 +664,16 @@ for f in sorted(glob.glob(os.path.join(os.environ["K8S_WORK"], "rendered", "*.ya
     if cron:
         cmd = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
         if cmd[:2] != ["inbox-worker", "purge"] or "--older-than" not in cmd: err(where, "purge CronJob command")
+    # reindex: the owner's upkeep of the queue tables' indexes, one run at a time, with the
+    # migration's Secret (the same role, inbox_owner: only the owner may rebuild an index).
+    cron = get("CronJob", "inbox-reindex")
+    if cron:
+        c = pod_spec(cron)["containers"][0]
+        if c.get("command", [])[:2] != ["inbox-worker", "reindex"]: err(where, "reindex CronJob command")
+        if cron["spec"].get("concurrencyPolicy") != "Forbid": err(where, "reindex: concurrencyPolicy: Forbid")
+        ref = env_of(c).get("DATABASE_URL", {}).get("valueFrom", {}).get("secretKeyRef", {}).get("name")
+        if ref is None or ref != database.get("migrate"):
+            err(where, f"reindex: DATABASE_URL from the migration's Secret (inbox_owner), not {ref}")
 
     # The operator console: a ClusterIP Service that no Ingress (nor another Service) exposes; its
     # users file and session key as files of a mounted Secret of their own (never a literal, never a
@@ -758,6 +768,7 @@ errors = []
 roles = dict(p.split("=") for p in os.environ["COMPONENT_ROLES"].split())
 units = {"inbox-ingest.service": "ingest", "inbox-worker@.service": "worker",
          "inbox-relay.service": "relay", "inbox-migrate.service": "migrate",
+         "inbox-reindex.service": "migrate",
          "inbox-purge.service": "operator", "inbox-reconcile@.service": "reconcile",
          "inbox-fetch.service": "fetch", "inbox-console.service": "console"}
 def env_file(path):
@@ -790,7 +801,9 @@ for unit, component in units.items():
         errors.append(f"{unit}: {with_url[0]} logs in as {user}, not {roles[component]}")
 for example in set(database.values()):
     sharing = sorted(u for u, e in database.items() if e == example)
-    if len(sharing) > 1: errors.append(f"{' and '.join(sharing)} share {example}: one DATABASE_URL file per unit")
+    # The units of one role may share its file (migrate and reindex: the owner's); no others.
+    if len({units[u] for u in sharing}) > 1:
+        errors.append(f"{' and '.join(sharing)} share {example}: one DATABASE_URL file per component")
 # The long-running units: their command, and a stop timeout above their drain (INBOX_SHUTDOWN_TIMEOUT).
 for unit, command in [("inbox-worker@.service", "inbox-worker run"), ("inbox-relay.service", "inbox-worker relay"),
                       ("inbox-fetch.service", "custom-worker fetch")]:
@@ -871,7 +884,7 @@ if command -v systemd-analyze >/dev/null 2>&1; then
     done
     # verify reports unknown or invalid settings as warnings with exit status 0: any output fails.
     out=$(cd "$work/systemd" && systemd-analyze verify --man=no inbox-ingest.service inbox-worker@1.service \
-        inbox-relay.service inbox-migrate.service inbox-purge.service inbox-purge.timer \
+        inbox-relay.service inbox-migrate.service inbox-purge.service inbox-purge.timer inbox-reindex.service inbox-reindex.timer \
         inbox-reconcile@billing.service inbox-reconcile@billing.timer inbox-fetch.service inbox-console.service 2>&1) \
         || { echo "$out"; die "systemd-analyze verify"; }
     [[ -z $out ]] || { echo "${out//$work\/systemd\//deploy/systemd/}"; die "systemd-analyze verify warned"; }
