@@ -136,6 +136,13 @@ async fn act(client: &tokio_postgres::Client, index: &QueueIndex, min_bytes: i64
             outcome.reason =
                 left(format!("under {}× the size a rebuild would give it", maintenance::REBUILD_WHEN_GROWN))
         }
+        Verdict::NotWorthReading => {
+            outcome.reason = left(format!(
+                "a rebuild would read its table ({}) twice to give back {}",
+                mib(index.table_bytes),
+                mib(index.bytes - index.rebuilt_bytes().unwrap_or(0))
+            ))
+        }
         Verdict::NoStatistics => {
             outcome.reason = left("no vacuum or analyse has counted its entries yet".to_owned())
         }

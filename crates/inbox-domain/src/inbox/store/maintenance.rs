@@ -1,5 +1,6 @@
-//! What the queue tables need after PostgreSQL lost its cumulative statistics, done by the workers:
-//! analysing `webhook_inbox`, its queue table and `outbox` again (migration V16).
+//! What the queue tables need besides autovacuum: after PostgreSQL lost its cumulative statistics,
+//! analysing `webhook_inbox`, its queue table and `outbox` again (migration V16, done by the
+//! workers); after a long snapshot, rebuilding their grown indexes (`reindex`, by the owner: below).
 //!
 //! Autovacuum decides from `pg_stat_user_tables` (dead tuples, changes since the last analyse).
 //! After crash recovery — an immediate shutdown, a server process killed by SIGKILL or the OOM
@@ -26,7 +27,7 @@
 //! removed, and these indexes grow by every entry since it began: in the soak, a 5-minute snapshot
 //! at 800 events/s took them from 1–6 MiB to 18–22 MiB each, where they stayed (docs/performance.md).
 //! `inbox-worker reindex`, run by the tables' owner, rebuilds each of them that has grown well past
-//! what a rebuild would give it, with `REINDEX INDEX CONCURRENTLY`: the ingest, the workers and the
+//! what a rebuild would give it, when what it gives back is worth reading the table for, with `REINDEX INDEX CONCURRENTLY`: the ingest, the workers and the
 //! relays go on writing while it runs. [`QueueIndex::verdict`] decides; the statements are below.
 
 use tokio_postgres::Client;
@@ -86,13 +87,15 @@ pub async fn analyze_after_stats_reset(
 /// width from `pg_stats` (plus its 1-byte header; 32 without statistics), rounded up to 8 as tuples
 /// are aligned. `leftover`: an invalid index named as `REINDEX CONCURRENTLY` names its temporary
 /// copies (`<index>_ccnew`, `_ccold`, with a digit when taken): what an interrupted rebuild leaves,
-/// which every write still maintains. `owned`: whether the current role may rebuild it (only the
+/// which every write still maintains. `table_bytes`: the table's heap, which a rebuild reads
+/// twice. `owned`: whether the current role may rebuild it (only the
 /// table's owner, or a member of its role, may). `name` is the index quoted for a statement.
 pub const QUEUE_INDEXES_SQL: &str = "\
 SELECT format('%I.%I', n.nspname, ic.relname) AS name,
        ic.relname::text AS index,
        t.relname::text AS table_name,
        pg_relation_size(ic.oid) AS bytes,
+       pg_relation_size(t.oid) AS table_bytes,
        ic.reltuples::float8 AS entries,
        12 + ((SELECT COALESCE(sum(CASE WHEN a.attlen > 0 THEN a.attlen
                                         ELSE COALESCE(s.avg_width, 32) + 1 END), 0)
@@ -121,6 +124,8 @@ pub struct QueueIndex {
     pub table: String,
     /// Its size on disk.
     pub bytes: i64,
+    /// The size of its table's heap, which a rebuild reads (twice: to build, then to validate).
+    pub table_bytes: i64,
     /// Its entries as the last vacuum or analyse counted them; None before any.
     pub entries: Option<f64>,
     /// The estimated bytes of one entry on a leaf page (see [`QUEUE_INDEXES_SQL`]).
@@ -142,17 +147,27 @@ const LEAF_BYTES_AT_BUILD: f64 = (8192.0 - 24.0 - 16.0) * 0.9;
 /// grows back to that size after one: rebuilding it then would buy nothing for a scan of its table.
 pub const REBUILD_WHEN_GROWN: f64 = 4.0;
 
+/// The least share of its table's heap a rebuild must give back to be worth its reads: it reads the
+/// heap twice. The queue table's heap is as short as the backlog, so its indexes always pass; the
+/// outbox's holds the retention's rows, and a partial index of a few MiB past its size is not worth
+/// reading a large outbox for.
+pub const REBUILD_WHEN_FREEING_OF_TABLE: f64 = 0.1;
+
 /// What `reindex` does with an index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     /// A leftover of an interrupted rebuild: dropped.
     DropLeftover,
-    /// At least [`REBUILD_WHEN_GROWN`] × its estimated rebuilt size, and at least the minimum: rebuilt.
+    /// At least the minimum size and [`REBUILD_WHEN_GROWN`] × its estimated rebuilt size, and
+    /// what a rebuild would give back is worth reading its table for: rebuilt.
     Rebuild,
     /// Smaller than the minimum size asked for: left.
     Small,
     /// Within [`REBUILD_WHEN_GROWN`] × its estimated rebuilt size: left.
     NotGrown,
+    /// Grown, but what a rebuild would give back is under [`REBUILD_WHEN_FREEING_OF_TABLE`] of
+    /// the table it reads: left.
+    NotWorthReading,
     /// No vacuum or analyse has counted its entries yet: left.
     NoStatistics,
     /// Invalid, and not a leftover of a rebuild (someone else's build): left, and reported.
@@ -181,8 +196,14 @@ impl QueueIndex {
         }
         match self.rebuilt_bytes() {
             None => Verdict::NoStatistics,
-            Some(rebuilt) if self.bytes as f64 >= REBUILD_WHEN_GROWN * rebuilt as f64 => Verdict::Rebuild,
-            Some(_) => Verdict::NotGrown,
+            Some(rebuilt) if (self.bytes as f64) < REBUILD_WHEN_GROWN * rebuilt as f64 => Verdict::NotGrown,
+            Some(rebuilt)
+                if ((self.bytes - rebuilt) as f64)
+                    < REBUILD_WHEN_FREEING_OF_TABLE * self.table_bytes as f64 =>
+            {
+                Verdict::NotWorthReading
+            }
+            Some(_) => Verdict::Rebuild,
         }
     }
 }
@@ -199,6 +220,7 @@ pub async fn queue_indexes(client: &Client) -> Result<Vec<QueueIndex>, tokio_pos
                 index: row.get("index"),
                 table: row.get("table_name"),
                 bytes: row.get("bytes"),
+                table_bytes: row.get("table_bytes"),
                 entries: (entries >= 0.0).then_some(entries),
                 entry_bytes: row.get("entry_bytes"),
                 valid: row.get("valid"),
@@ -252,4 +274,61 @@ pub async fn index_bytes(client: &Client, name: &str) -> Result<i64, tokio_postg
         .query_typed("SELECT pg_relation_size($1::regclass)", &[(&name, tokio_postgres::types::Type::TEXT)])
         .await?;
     Ok(row.first().map_or(0, |r| r.get(0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: i64 = 1024 * 1024;
+
+    /// A queue index of 20 MiB holding 1000 entries of 24 bytes, in a table of 8 MiB.
+    fn grown() -> QueueIndex {
+        QueueIndex {
+            name: "public.webhook_inbox_queue_by_type".into(),
+            index: "webhook_inbox_queue_by_type".into(),
+            table: "webhook_inbox_queue".into(),
+            bytes: 20 * MIB,
+            table_bytes: 8 * MIB,
+            entries: Some(1000.0),
+            entry_bytes: 24,
+            valid: true,
+            leftover: false,
+            owned: true,
+        }
+    }
+
+    #[test]
+    fn an_index_grown_past_four_times_its_rebuilt_size_and_the_minimum_is_rebuilt() {
+        assert_eq!(grown().rebuilt_bytes(), Some(4 * 8192));
+        assert_eq!(grown().verdict(8 * MIB), Verdict::Rebuild);
+    }
+
+    #[test]
+    fn an_index_under_the_minimum_size_is_left_however_empty() {
+        assert_eq!(grown().verdict(32 * MIB), Verdict::Small);
+    }
+
+    #[test]
+    fn an_index_within_four_times_its_rebuilt_size_is_left() {
+        // 1M entries of 24 bytes: ~3.2k pages (~25 MiB) when rebuilt.
+        let dense = QueueIndex { entries: Some(1_000_000.0), bytes: 60 * MIB, ..grown() };
+        assert_eq!(dense.verdict(8 * MIB), Verdict::NotGrown);
+    }
+
+    #[test]
+    fn a_grown_index_of_a_large_table_is_left_when_a_rebuild_frees_under_a_tenth_of_the_table() {
+        let big_outbox = QueueIndex { table: "outbox".into(), table_bytes: 10_000 * MIB, ..grown() };
+        assert_eq!(big_outbox.verdict(8 * MIB), Verdict::NotWorthReading);
+    }
+
+    #[test]
+    fn leftovers_are_dropped_other_invalid_indexes_and_uncounted_ones_are_left() {
+        let leftover = QueueIndex { valid: false, leftover: true, bytes: 8192, ..grown() };
+        assert_eq!(leftover.verdict(8 * MIB), Verdict::DropLeftover);
+        let invalid = QueueIndex { valid: false, ..grown() };
+        assert_eq!(invalid.verdict(8 * MIB), Verdict::Invalid);
+        let uncounted = QueueIndex { entries: None, ..grown() };
+        assert_eq!(uncounted.verdict(8 * MIB), Verdict::NoStatistics);
+    }
 }

@@ -19,7 +19,8 @@
 //! * [`console`]: what the operator console reads besides the above — the queue's split, the
 //!   throughput and latency charts, the parked rows filtered and paged, one event, the audit log.
 //! * [`maintenance`]: what the queue tables need after PostgreSQL lost its statistics (a crash
-//!   restart): the workers' check that analyses `webhook_inbox`, its queue and `outbox` again.
+//!   restart): the workers' check that analyses `webhook_inbox`, its queue and `outbox` again; and
+//!   which of their indexes a long snapshot left grown, for `reindex` to rebuild.
 //!
 //! # The states of a row
 //! Every unprocessed row is in exactly one of these:
