@@ -10,6 +10,7 @@
 -- DATABASE_URL (deploy/k8s, compose and systemd take one secret per component).
 --
 --   inbox_owner     owns the tables; runs `inbox-worker migrate` (and your own worker's migrate)
+--                   and `inbox-worker reindex` (only the owner may rebuild an index)
 --   inbox_ingest    inbox-ingest: inserts verified events, reads the schema version (readiness)
 --   inbox_worker    inbox-worker run: claims and marks inbox rows, writes the invoice tables
 --   inbox_relay     inbox-worker relay: claims, reads and marks outbox rows, nothing else

@@ -625,3 +625,35 @@ async fn the_console_runs_as_inbox_console_with_the_operators_rights_and_reads_t
     )
     .await;
 }
+
+/// Only the tables' owner may rebuild or drop their indexes: `reindex` as `inbox_operator` finds
+/// the copy an interrupted rebuild left, refuses (exit 1, naming the owner's role) and changes
+/// nothing; as `inbox_owner`, the deploy files' role for it, it drops the copy.
+#[tokio::test]
+async fn reindex_runs_as_inbox_owner_and_is_refused_to_other_roles() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying deploy/roles.sql");
+    let invalid =
+        "SELECT count(*) FROM pg_index WHERE indrelid = 'webhook_inbox_queue'::regclass AND NOT indisvalid";
+    // A rebuild interrupted by its lock timeout while a snapshot is held leaves its copy.
+    let reporting = inbox_test_support::db::hold_snapshot(&db, "webhook_inbox").await;
+    let other = db.client().await;
+    other.batch_execute("SET lock_timeout = '200ms'").await.unwrap();
+    assert!(other.batch_execute("REINDEX INDEX CONCURRENTLY webhook_inbox_queue_pkey").await.is_err());
+    reporting.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(scalar(&admin, invalid).await, 1);
+
+    let (code, output) = operator(&db, &["reindex"]).await;
+    assert_eq!(code, 1, "{output}");
+    assert!(output.contains("run reindex as the tables' owner (inbox_owner)"), "{output}");
+    assert_eq!(scalar(&admin, invalid).await, 1, "refused, nothing changed");
+
+    let mut owner = command("inbox-worker");
+    owner.env("DATABASE_URL", url_as(&db, "inbox_owner")).arg("reindex");
+    let (code, output) =
+        tokio::task::spawn_blocking(move || run(owner, Duration::from_secs(30))).await.unwrap();
+    assert_eq!(code, 0, "{output}");
+    assert!(output.contains("dropped"), "{output}");
+    assert_eq!(scalar(&admin, invalid).await, 0);
+}

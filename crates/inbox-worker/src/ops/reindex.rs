@@ -5,11 +5,14 @@
 //! Which index and why: `inbox_domain::inbox::store::maintenance` ("Rebuilding the queue tables'
 //! indexes"). It changes no row, so it writes no audit record.
 //!
-//! Each rebuild waits for the transactions that hold its table, and for those whose snapshot is
-//! older than its build: a snapshot held for minutes would hold it as long, and keep in the new
-//! index every entry it keeps in the old. `--lock-timeout` bounds every such wait; a rebuild that
-//! runs out of it is given up, its copy dropped, and the command exits 1 saying so (run it again
-//! once the snapshot has ended). The next index is still tried.
+//! A rebuild started while a session holds an old snapshot would copy every entry that snapshot
+//! keeps, and then wait for it to end. So before each rebuild `reindex` waits, up to
+//! `--lock-timeout`, until no session of the database has held a snapshot older than every running
+//! transaction across two looks [`SNAPSHOT_POLL`] apart (`maintenance::OLD_SNAPSHOTS_SQL`); a
+//! snapshot held longer is reported and the index left. The rebuild itself waits for the
+//! transactions that hold its table, under the same `--lock-timeout`; one that runs out of it is
+//! given up, its copy dropped. Either way the command exits 1 saying so (run it again once the
+//! snapshot has ended), after trying the next indexes.
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +23,9 @@ use inbox_domain::inbox::store::maintenance::{self, QueueIndex, Verdict};
 use serde::Serialize;
 
 use super::db_error;
+
+/// How often `reindex` looks for sessions holding an old snapshot while it waits for them.
+pub const SNAPSHOT_POLL: Duration = Duration::from_millis(500);
 use super::output::{emit, emit_json, AfterReport, OutputArgs, Table};
 
 /// Flags of `reindex`.
@@ -62,6 +68,11 @@ struct Outcome {
 
 /// `reindex`.
 pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result<()> {
+    if !maintenance::try_lock_reindex(client).await.map_err(db_error("taking the reindex lock"))? {
+        super::refuse!(
+            "another reindex is running on this database (it holds the reindex advisory lock): let it finish"
+        );
+    }
     let indexes =
         maintenance::queue_indexes(client).await.map_err(db_error("listing the queue tables' indexes"))?;
     let min_bytes = i64::try_from(args.min_size).unwrap_or(i64::MAX);
@@ -69,9 +80,9 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
         .iter()
         .filter(|i| matches!(i.verdict(min_bytes), Verdict::Rebuild | Verdict::DropLeftover))
         .collect();
-    if let Some(index) = to_change.iter().find(|i| !i.owned) {
+    if let Some(index) = to_change.iter().find(|i| !i.owned).filter(|_| !args.dry_run) {
         super::refuse!(
-            "{} needs rebuilding, and only the owner of {} may rebuild it: run reindex as the \
+            "{} needs rebuilding or dropping, and only the owner of {} may do it: run reindex as the \
              tables' owner (inbox_owner)",
             index.index,
             index.table
@@ -129,25 +140,24 @@ async fn act(client: &tokio_postgres::Client, index: &QueueIndex, min_bytes: i64
         bytes_after: None,
         seconds: None,
     };
-    let left = |reason: String| Some(reason);
     match index.verdict(min_bytes) {
-        Verdict::Small => outcome.reason = left(format!("under --min-size ({})", mib(min_bytes))),
+        Verdict::Small => outcome.reason = Some(format!("under --min-size ({})", mib(min_bytes))),
         Verdict::NotGrown => {
             outcome.reason =
-                left(format!("under {}× the size a rebuild would give it", maintenance::REBUILD_WHEN_GROWN))
+                Some(format!("under {}× the size a rebuild would give it", maintenance::REBUILD_WHEN_GROWN))
         }
         Verdict::NotWorthReading => {
-            outcome.reason = left(format!(
+            outcome.reason = Some(format!(
                 "a rebuild would read its table ({}) twice to give back {}",
                 mib(index.table_bytes),
                 mib(index.bytes - index.rebuilt_bytes().unwrap_or(0))
             ))
         }
         Verdict::NoStatistics => {
-            outcome.reason = left("no vacuum or analyse has counted its entries yet".to_owned())
+            outcome.reason = Some("no vacuum or analyse has counted its entries yet".to_owned())
         }
         Verdict::Invalid => {
-            outcome.reason = left("invalid, and not a leftover of a rebuild: not ours to drop".to_owned())
+            outcome.reason = Some("invalid, and not a leftover of a rebuild: not ours to drop".to_owned())
         }
         Verdict::DropLeftover if args.dry_run => outcome.action = "would_drop",
         Verdict::Rebuild if args.dry_run => outcome.action = "would_rebuild",
@@ -164,6 +174,27 @@ async fn act(client: &tokio_postgres::Client, index: &QueueIndex, min_bytes: i64
         }
         Verdict::Rebuild => {
             let started = Instant::now();
+            match wait_for_old_snapshots(client, args.lock_timeout).await {
+                Ok(None) => {}
+                Ok(Some(holder)) => {
+                    outcome.action = "failed";
+                    outcome.reason = Some(format!(
+                        "session {} (role {}) has held a snapshot older than every running transaction for \
+                         longer than --lock-timeout ({}): a rebuild now would keep every entry it keeps; \
+                         not started. docs/operations.md, \"A long transaction elsewhere on the database\"",
+                        holder.pid,
+                        holder.role.as_deref().unwrap_or("?"),
+                        humantime::format_duration(args.lock_timeout)
+                    ));
+                    outcome.seconds = Some(started.elapsed().as_secs_f64());
+                    return outcome;
+                }
+                Err(e) => {
+                    outcome.action = "failed";
+                    outcome.reason = Some(format!("looking for old snapshots: {}", describe_db_error(&e)));
+                    return outcome;
+                }
+            }
             match maintenance::rebuild_index(client, &index.name).await {
                 Ok(()) => {
                     outcome.action = "rebuilt";
@@ -179,6 +210,27 @@ async fn act(client: &tokio_postgres::Client, index: &QueueIndex, min_bytes: i64
         }
     }
     outcome
+}
+
+/// Waits until no session has held an old snapshot across two looks [`SNAPSHOT_POLL`] apart
+/// (sessions that hold one only for a moment, as busy ones do, are not waited for), for at most
+/// `patience`; returns the oldest holder still there after it.
+async fn wait_for_old_snapshots(
+    client: &tokio_postgres::Client,
+    patience: Duration,
+) -> Result<Option<maintenance::SnapshotHolder>, tokio_postgres::Error> {
+    let deadline = Instant::now() + patience;
+    let mut held = maintenance::old_snapshot_holders(client).await?;
+    while !held.is_empty() {
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(held.into_iter().next());
+        }
+        tokio::time::sleep(SNAPSHOT_POLL.min(deadline - now)).await;
+        let seen = maintenance::old_snapshot_holders(client).await?;
+        held = seen.into_iter().filter(|h| held.contains(h)).collect();
+    }
+    Ok(None)
 }
 
 /// Why a rebuild failed, in words an operator can act on.

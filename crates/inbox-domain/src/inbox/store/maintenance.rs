@@ -231,6 +231,59 @@ pub async fn queue_indexes(client: &Client) -> Result<Vec<QueueIndex>, tokio_pos
         .collect())
 }
 
+/// Key of the session advisory lock a `reindex` run holds ("STRIPER1"): a second run at the same
+/// time would take the first one's copy in the making (invalid until built) for a leftover.
+pub const REINDEX_LOCK_KEY: i64 = 0x5354_5249_5045_5231;
+
+/// Takes [`REINDEX_LOCK_KEY`] for this session if no other session holds it; false if one does.
+/// The lock ends with the session.
+pub async fn try_lock_reindex(client: &Client) -> Result<bool, tokio_postgres::Error> {
+    let row = client
+        .query_typed(
+            "SELECT pg_try_advisory_lock($1)",
+            &[(&REINDEX_LOCK_KEY, tokio_postgres::types::Type::INT8)],
+        )
+        .await?;
+    Ok(row.first().is_some_and(|r| r.get(0)))
+}
+
+/// The other sessions of this database whose snapshot is older than every transaction still
+/// running: a report or a session idle in a REPEATABLE READ transaction, a long statement. A
+/// rebuild started now would copy every entry such a snapshot keeps (a concurrent build keeps what
+/// any snapshot may still see), then wait for it to end. `backend_xmin` and `usename` are what
+/// `pg_stat_activity` shows of other roles' sessions to any role (their start times, queries and
+/// backend types it hides without `pg_read_all_stats`); vacuums, whose snapshots no rebuild waits
+/// for, are left out by their progress rows.
+pub const OLD_SNAPSHOTS_SQL: &str = "\
+SELECT a.pid, a.backend_xmin::text AS xmin, a.usename::text AS role
+  FROM pg_stat_activity a
+ WHERE a.datname = current_database()
+   AND a.pid <> pg_backend_pid()
+   AND a.backend_xmin IS NOT NULL
+   AND age(a.backend_xmin) > age(pg_snapshot_xmin(pg_current_snapshot())::xid)
+   AND a.pid NOT IN (SELECT v.pid FROM pg_stat_progress_vacuum v)
+ ORDER BY age(a.backend_xmin) DESC";
+
+/// A session of [`OLD_SNAPSHOTS_SQL`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotHolder {
+    /// Its backend's process id (for `pg_terminate_backend`).
+    pub pid: i32,
+    /// Its snapshot's xmin: the same pid with the same xmin later has held the same snapshot.
+    pub xmin: String,
+    /// The role it logged in as.
+    pub role: Option<String>,
+}
+
+/// Lists the sessions holding an old snapshot ([`OLD_SNAPSHOTS_SQL`]), oldest first.
+pub async fn old_snapshot_holders(client: &Client) -> Result<Vec<SnapshotHolder>, tokio_postgres::Error> {
+    let rows = client.query_typed(OLD_SNAPSHOTS_SQL, &[]).await?;
+    Ok(rows
+        .iter()
+        .map(|row| SnapshotHolder { pid: row.get("pid"), xmin: row.get("xmin"), role: row.get("role") })
+        .collect())
+}
+
 /// Sets the session's timeouts for [`rebuild_index`] and [`drop_leftover_index`], which run
 /// outside any transaction (PostgreSQL refuses `CONCURRENTLY` in one): how long any wait for a
 /// lock may last — including `REINDEX CONCURRENTLY`'s waits for the transactions that hold the
