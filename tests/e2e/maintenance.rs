@@ -239,7 +239,8 @@ async fn after_a_long_snapshot_reindex_rebuilds_the_grown_queue_indexes_under_lo
 }
 
 /// While a snapshot is still held, a rebuild would copy every entry it keeps and wait for it:
-/// `reindex` waits for it up to its `--lock-timeout`, starts no rebuild, says why and exits 1. A
+/// `reindex` waits for it up to its `--lock-timeout` (once, not once per index), starts no
+/// rebuild, says why and exits 1. A
 /// writer holding the table keeps a rebuild from finishing: given up at the same timeout, its copy
 /// left invalid is shown by `--dry-run`, which changes nothing, and dropped by the next run, which
 /// then rebuilds the grown index; an index that has not grown is left alone. A second run while
@@ -287,6 +288,10 @@ async fn reindex_starts_no_rebuild_under_a_held_snapshot_and_drops_what_an_inter
     let reason = by_type["reason"].as_str().unwrap();
     assert!(reason.contains("has held a snapshot") && reason.contains("--lock-timeout (1s)"), "{report}");
     assert!(reason.contains("not started"), "{report}");
+    // The next index is left without waiting for the same snapshot again.
+    let pkey = entry(&report, "webhook_inbox_queue_pkey");
+    assert_eq!(pkey["action"], "failed", "{report}");
+    assert!(pkey["reason"].as_str().unwrap().contains("still holds, not waited for again"), "{report}");
     assert!(output.contains("run reindex again"), "{output}");
     assert_eq!(invalid_indexes(&client).await, 0, "no copy started");
     assert_eq!(

@@ -97,8 +97,11 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
     let mut order: Vec<&QueueIndex> = indexes.iter().collect();
     order.sort_by_key(|i| i.verdict(min_bytes) != Verdict::DropLeftover);
     let mut outcomes = Vec::with_capacity(order.len());
+    // The session whose snapshot outlasted --lock-timeout: while it still holds the same one, the
+    // next indexes are left without waiting for it again.
+    let mut outlasted = None;
     for index in order {
-        outcomes.push(act(client, index, min_bytes, args).await);
+        outcomes.push(act(client, index, min_bytes, args, &mut outlasted).await);
     }
     let failed = outcomes.iter().filter(|o| o.action == "failed").count();
     if args.output.json {
@@ -120,7 +123,7 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
     }
     if failed > 0 {
         return Err(AfterReport(format!(
-            "{failed} of the rebuilds did not finish (see the report); their copies were dropped: run reindex again"
+            "{failed} of the indexes were not rebuilt or dropped (see the report for why): run reindex again"
         ))
         .into());
     }
@@ -128,7 +131,13 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
 }
 
 /// Does what the verdict says with one index and reports it.
-async fn act(client: &tokio_postgres::Client, index: &QueueIndex, min_bytes: i64, args: &Args) -> Outcome {
+async fn act(
+    client: &tokio_postgres::Client,
+    index: &QueueIndex,
+    min_bytes: i64,
+    args: &Args,
+    outlasted: &mut Option<maintenance::SnapshotHolder>,
+) -> Outcome {
     let mut outcome = Outcome {
         index: index.index.clone(),
         table: index.table.clone(),
@@ -174,19 +183,31 @@ async fn act(client: &tokio_postgres::Client, index: &QueueIndex, min_bytes: i64
         }
         Verdict::Rebuild => {
             let started = Instant::now();
-            match wait_for_old_snapshots(client, args.lock_timeout).await {
+            // (the holder, whether it was waited for now rather than still there from before)
+            let waited = match outlasted.take() {
+                Some(holder) => match maintenance::old_snapshot_holders(client).await {
+                    Ok(now) if now.contains(&holder) => Ok(Some((holder, false))),
+                    _ => {
+                        wait_for_old_snapshots(client, args.lock_timeout).await.map(|h| h.map(|h| (h, true)))
+                    }
+                },
+                None => wait_for_old_snapshots(client, args.lock_timeout).await.map(|h| h.map(|h| (h, true))),
+            };
+            match waited {
                 Ok(None) => {}
-                Ok(Some(holder)) => {
+                Ok(Some((holder, waited_now))) => {
                     outcome.action = "failed";
                     outcome.reason = Some(format!(
-                        "session {} (role {}) has held a snapshot older than every running transaction for \
+                        "session {} (role {}) {} a snapshot older than every running transaction for \
                          longer than --lock-timeout ({}): a rebuild now would keep every entry it keeps; \
                          not started. docs/operations.md, \"A long transaction elsewhere on the database\"",
                         holder.pid,
                         holder.role.as_deref().unwrap_or("?"),
+                        if waited_now { "has held" } else { "still holds, not waited for again," },
                         humantime::format_duration(args.lock_timeout)
                     ));
                     outcome.seconds = Some(started.elapsed().as_secs_f64());
+                    *outlasted = Some(holder);
                     return outcome;
                 }
                 Err(e) => {
