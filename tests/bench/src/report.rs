@@ -579,6 +579,11 @@ fn soak_rows(t: &mut Table, s: &Value) {
                 row.ok = ratio.map(|r| r <= 1.2);
             }
         }
+        let row = t.add(
+            format!("     {table} {parts}: before the snapshot → end"),
+            format!("{} → {}", size(v["before_snapshot_bytes"].as_i64()), size(v["end_bytes"].as_i64())),
+        );
+        row.ratio = v["end_over_before_snapshot"].as_f64().map(|r| (r, "before snapshot".to_owned()));
     }
     let short = |n: &str| match n {
         "webhook_inbox" => "inbox".to_owned(),

@@ -1144,6 +1144,10 @@ fn summarize(
     let after = |p: Option<&Purge>| p.and_then(|p| samples.iter().find(|s| s.t >= p.at + p.seconds));
     let after_first = after(deleting.first().copied().or(purges.first()));
     let after_second = after(deleting.get(1).copied());
+    // And the last sample before the snapshot: a small table's indexes (the queue table's) reach
+    // their working size over the first ten minutes or so, between vacuums, after the second purge;
+    // against this one, what the snapshot left at the end is measured apart from that.
+    let before_snapshot = samples.iter().rev().find(|s| s.t <= snap.0);
     let end = samples.last();
     let mut sizes = serde_json::Map::new();
     for table in present(samples) {
@@ -1158,6 +1162,8 @@ fn summarize(
                 "end_over_after_first_purge": ratio(a1),
                 "after_second_purge_bytes": a2, "after_second_purge_at_s": after_second.map(|s| s.t),
                 "end_over_after_second_purge": ratio(a2), "flat": ratio(a2).map(|r| r <= 1.2),
+                "before_snapshot_bytes": at(before_snapshot), "before_snapshot_at_s": before_snapshot.map(|s| s.t),
+                "end_over_before_snapshot": ratio(at(before_snapshot)),
                 "end_bytes": e,
                 "end_parts": end.map(|s| s.sizes.iter().filter(|((t, _), _)| t == table).map(|((_, p), b)| (p.clone(), json!(b))).collect::<serde_json::Map<_, _>>()),
             }),
