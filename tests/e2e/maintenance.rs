@@ -11,7 +11,7 @@ use inbox_test_support::db::{hold_snapshot, in_batches_of_64, scalar, unprocesse
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::process::command;
 use inbox_test_support::worker::{eventually, spawn_worker};
-use inbox_test_support::{spawn_app, TestDb};
+use inbox_test_support::{spawn_app, TestApp, TestDb};
 use serde_json::Value;
 
 /// Events sent while the snapshot is held (each leaves dead entries in the queue table's indexes
@@ -29,6 +29,88 @@ async fn queue_index_bytes(client: &tokio_postgres::Client) -> i64 {
     scalar(client, "SELECT pg_indexes_size('webhook_inbox_queue')").await
 }
 
+/// Sends [`HELD`] webhooks while a snapshot is held and waits until the worker has booked them;
+/// then ends the snapshot and vacuums the queue table. Returns its indexes' size: what the
+/// snapshot left in them.
+async fn grow_the_queue_under_a_snapshot(app: &TestApp, client: &tokio_postgres::Client) -> i64 {
+    let reporting = hold_snapshot(&app.db, "webhook_inbox").await;
+    for chunk in (0..HELD).collect::<Vec<_>>().chunks(50) {
+        let replies =
+            futures_util::future::join_all(chunk.iter().map(|i| {
+                app.post_signed(invoice_paid(&format!("evt_held_{i}"), &format!("in_held_{i}"), 100))
+            }))
+            .await;
+        assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+    }
+    assert!(eventually(Duration::from_secs(60), || async { unprocessed(client).await == 0 }).await);
+    reporting.batch_execute("COMMIT").await.unwrap();
+    client.batch_execute("VACUUM webhook_inbox_queue").await.unwrap();
+    queue_index_bytes(client).await
+}
+
+/// Webhooks sent ten at a time, each batch answered before the next, until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicI64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Load {
+    /// Starts the load and returns once 100 webhooks were answered.
+    async fn start(app: &Arc<TestApp>) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicI64::new(0));
+        let task = tokio::spawn({
+            let (app, stop, sent) = (app.clone(), stop.clone(), sent.clone());
+            async move {
+                let mut i = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    let replies = futures_util::future::join_all((i..i + 10).map(|i| {
+                        app.post_signed(invoice_paid(&format!("evt_load_{i}"), &format!("in_load_{i}"), 100))
+                    }))
+                    .await;
+                    assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+                    i += 10;
+                    sent.store(i, Ordering::SeqCst);
+                }
+            }
+        });
+        let load = Load { stop, sent, task };
+        assert!(eventually(Duration::from_secs(30), || async { load.sent() >= 100 }).await);
+        load
+    }
+
+    /// Webhooks answered so far.
+    fn sent(&self) -> i64 {
+        self.sent.load(Ordering::SeqCst)
+    }
+
+    /// Waits until 100 more are answered (the service did not stay blocked), then stops the
+    /// load; returns how many were answered in all.
+    async fn finish(self) -> i64 {
+        let during = self.sent();
+        assert!(eventually(Duration::from_secs(30), || async { self.sent() >= during + 100 }).await);
+        self.stop.store(true, Ordering::SeqCst);
+        let sent = self.sent.clone();
+        self.task.await.unwrap();
+        sent.load(Ordering::SeqCst)
+    }
+}
+
+/// Every event sent is stored and booked once, and the queue drains to empty (a row missing from
+/// the queue table would never be claimed).
+async fn every_event_booked_once(client: &tokio_postgres::Client, events: i64) {
+    assert!(
+        eventually(Duration::from_secs(60), || async { unprocessed(client).await == 0 }).await,
+        "{} rows left unprocessed, {} in the queue",
+        unprocessed(client).await,
+        scalar(client, "SELECT count(*) FROM webhook_inbox_queue").await
+    );
+    assert_eq!(scalar(client, "SELECT count(*) FROM webhook_inbox").await, events);
+    assert_eq!(scalar(client, "SELECT count(*) FROM ledger_entries").await, events, "each event booked once");
+    assert_eq!(scalar(client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
+}
+
 /// After a long snapshot the queue table keeps what it grew to: vacuum frees its index pages for
 /// reuse but never gives them back. The runbook's `VACUUM FULL webhook_inbox_queue`, under a short
 /// lock timeout and retried, rewrites it to the rows waiting while webhooks keep arriving and the
@@ -44,40 +126,10 @@ async fn after_a_long_snapshot_a_vacuum_full_of_the_queue_table_under_load_gives
         s.poll_interval = Duration::from_millis(100)
     })
     .await;
-
-    let reporting = hold_snapshot(&app.db, "webhook_inbox").await;
-    for chunk in (0..HELD).collect::<Vec<_>>().chunks(50) {
-        let replies =
-            futures_util::future::join_all(chunk.iter().map(|i| {
-                app.post_signed(invoice_paid(&format!("evt_held_{i}"), &format!("in_held_{i}"), 100))
-            }))
-            .await;
-        assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
-    }
-    assert!(eventually(Duration::from_secs(60), || async { unprocessed(&client).await == 0 }).await);
-    reporting.batch_execute("COMMIT").await.unwrap();
-    client.batch_execute("VACUUM webhook_inbox_queue").await.unwrap();
-    let grown = queue_index_bytes(&client).await;
+    let grown = grow_the_queue_under_a_snapshot(&app, &client).await;
 
     // Webhooks keep coming while the runbook runs.
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicI64::new(0));
-    let load = tokio::spawn({
-        let (app, stop, sent) = (app.clone(), stop.clone(), sent.clone());
-        async move {
-            let mut i = 0;
-            while !stop.load(Ordering::SeqCst) {
-                let replies = futures_util::future::join_all((i..i + 10).map(|i| {
-                    app.post_signed(invoice_paid(&format!("evt_load_{i}"), &format!("in_load_{i}"), 100))
-                }))
-                .await;
-                assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
-                i += 10;
-                sent.store(i, Ordering::SeqCst);
-            }
-        }
-    });
-    assert!(eventually(Duration::from_secs(30), || async { sent.load(Ordering::SeqCst) >= 100 }).await);
+    let load = Load::start(&app).await;
 
     let operator = app.db.client().await;
     operator.batch_execute(LOCK_TIMEOUT).await.unwrap();
@@ -97,31 +149,13 @@ async fn after_a_long_snapshot_a_vacuum_full_of_the_queue_table_under_load_gives
     };
     // …and go on after it: the ingest's inserts did not stay blocked (the worker's claims and
     // marks did not either: the drain below finishes).
-    let during = sent.load(Ordering::SeqCst);
-    assert!(
-        eventually(Duration::from_secs(30), || async { sent.load(Ordering::SeqCst) >= during + 100 }).await
-    );
-    stop.store(true, Ordering::SeqCst);
-    load.await.unwrap();
+    let sent = load.finish().await;
 
     assert!(
         rewritten * 4 < grown,
         "the queue table's indexes: {grown} bytes after the snapshot and a vacuum, {rewritten} after VACUUM FULL"
     );
-    assert!(
-        eventually(Duration::from_secs(60), || async { unprocessed(&client).await == 0 }).await,
-        "{} rows left unprocessed, {} in the queue",
-        unprocessed(&client).await,
-        scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await
-    );
-    let events = HELD + sent.load(Ordering::SeqCst);
-    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox").await, events);
-    assert_eq!(
-        scalar(&client, "SELECT count(*) FROM ledger_entries").await,
-        events,
-        "each event booked once"
-    );
-    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
+    every_event_booked_once(&client, HELD + sent).await;
     worker.stop().await;
 }
 
@@ -168,73 +202,25 @@ async fn after_a_long_snapshot_reindex_rebuilds_the_grown_queue_indexes_under_lo
         s.poll_interval = Duration::from_millis(100)
     })
     .await;
+    grow_the_queue_under_a_snapshot(&app, &client).await;
+    let by_type_bytes = "SELECT pg_relation_size('webhook_inbox_queue_by_type')";
+    let grown = scalar(&client, by_type_bytes).await;
 
-    let reporting = hold_snapshot(&app.db, "webhook_inbox").await;
-    for chunk in (0..HELD).collect::<Vec<_>>().chunks(50) {
-        let replies =
-            futures_util::future::join_all(chunk.iter().map(|i| {
-                app.post_signed(invoice_paid(&format!("evt_held_{i}"), &format!("in_held_{i}"), 100))
-            }))
-            .await;
-        assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
-    }
-    assert!(eventually(Duration::from_secs(60), || async { unprocessed(&client).await == 0 }).await);
-    reporting.batch_execute("COMMIT").await.unwrap();
-    client.batch_execute("VACUUM webhook_inbox_queue").await.unwrap();
-    let grown = queue_index_bytes(&client).await;
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicI64::new(0));
-    let load = tokio::spawn({
-        let (app, stop, sent) = (app.clone(), stop.clone(), sent.clone());
-        async move {
-            let mut i = 0;
-            while !stop.load(Ordering::SeqCst) {
-                let replies = futures_util::future::join_all((i..i + 10).map(|i| {
-                    app.post_signed(invoice_paid(&format!("evt_load_{i}"), &format!("in_load_{i}"), 100))
-                }))
-                .await;
-                assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
-                i += 10;
-                sent.store(i, Ordering::SeqCst);
-            }
-        }
-    });
-    assert!(eventually(Duration::from_secs(30), || async { sent.load(Ordering::SeqCst) >= 100 }).await);
-
+    let load = Load::start(&app).await;
     // The test's indexes are far under the default --min-size.
     let (code, report, output) = reindex(&app.db.url(), &["--min-size", "0"]).await;
     assert_eq!(code, 0, "{output}");
     let report = report.unwrap();
-    let by_type = entry(&report, "webhook_inbox_queue_by_type");
-    assert_eq!(by_type["action"], "rebuilt", "{report}");
-    let rebuilt = queue_index_bytes(&client).await;
-    let during = sent.load(Ordering::SeqCst);
-    assert!(
-        eventually(Duration::from_secs(30), || async { sent.load(Ordering::SeqCst) >= during + 100 }).await
-    );
-    stop.store(true, Ordering::SeqCst);
-    load.await.unwrap();
+    assert_eq!(entry(&report, "webhook_inbox_queue_by_type")["action"], "rebuilt", "{report}");
+    let rebuilt = scalar(&client, by_type_bytes).await;
+    let sent = load.finish().await;
 
     assert!(
         rebuilt * 4 < grown,
-        "the queue table's indexes: {grown} bytes after the snapshot and a vacuum, {rebuilt} after reindex"
+        "the queue's index by type: {grown} bytes after the snapshot and a vacuum, {rebuilt} after reindex: {report}"
     );
     assert_eq!(invalid_indexes(&client).await, 0, "a rebuild's copy left behind");
-    assert!(
-        eventually(Duration::from_secs(60), || async { unprocessed(&client).await == 0 }).await,
-        "{} rows left unprocessed, {} in the queue",
-        unprocessed(&client).await,
-        scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await
-    );
-    let events = HELD + sent.load(Ordering::SeqCst);
-    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox").await, events);
-    assert_eq!(
-        scalar(&client, "SELECT count(*) FROM ledger_entries").await,
-        events,
-        "each event booked once"
-    );
-    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
+    every_event_booked_once(&client, HELD + sent).await;
     worker.stop().await;
 }
 
