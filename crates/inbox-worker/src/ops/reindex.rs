@@ -23,10 +23,10 @@ use inbox_domain::inbox::store::maintenance::{self, QueueIndex, Verdict};
 use serde::Serialize;
 
 use super::db_error;
+use super::output::{emit, emit_json, AfterReport, OutputArgs, Table};
 
 /// How often `reindex` looks for sessions holding an old snapshot while it waits for them.
 pub const SNAPSHOT_POLL: Duration = Duration::from_millis(500);
-use super::output::{emit, emit_json, AfterReport, OutputArgs, Table};
 
 /// Flags of `reindex`.
 #[derive(Debug, ClapArgs)]
@@ -38,8 +38,9 @@ pub struct Args {
     /// the churn of claims and marks grows a queue index back to a few MiB between vacuums.
     #[arg(long, default_value = "8MiB", value_parser = parse_byte_size)]
     pub min_size: u64,
-    /// The longest any rebuild waits for a lock, or for a transaction whose snapshot is older than
-    /// its build (PostgreSQL's lock_timeout for this session).
+    /// The longest `reindex` waits, before a rebuild, for a session holding a snapshot older than
+    /// every running transaction to end, and, during one, for a lock (PostgreSQL's lock_timeout
+    /// for this session).
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub lock_timeout: Duration,
     /// The longest one rebuild may take (statement_timeout for this session).
