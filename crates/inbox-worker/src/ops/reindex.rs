@@ -77,9 +77,13 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
     let indexes =
         maintenance::queue_indexes(client).await.map_err(db_error("listing the queue tables' indexes"))?;
     let min_bytes = i64::try_from(args.min_size).unwrap_or(i64::MAX);
-    let to_change: Vec<&QueueIndex> = indexes
+    // Leftovers first: each is maintained by every write until it is dropped.
+    let mut order: Vec<(&QueueIndex, Verdict)> = indexes.iter().map(|i| (i, i.verdict(min_bytes))).collect();
+    order.sort_by_key(|(_, verdict)| *verdict != Verdict::DropLeftover);
+    let to_change: Vec<&QueueIndex> = order
         .iter()
-        .filter(|i| matches!(i.verdict(min_bytes), Verdict::Rebuild | Verdict::DropLeftover))
+        .filter(|(_, verdict)| matches!(verdict, Verdict::Rebuild | Verdict::DropLeftover))
+        .map(|(index, _)| *index)
         .collect();
     if let Some(index) = to_change.iter().find(|i| !i.owned).filter(|_| !args.dry_run) {
         super::refuse!(
@@ -94,15 +98,12 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
             .await
             .map_err(db_error("setting the session's timeouts"))?;
     }
-    // Leftovers first: each is maintained by every write until it is dropped.
-    let mut order: Vec<&QueueIndex> = indexes.iter().collect();
-    order.sort_by_key(|i| i.verdict(min_bytes) != Verdict::DropLeftover);
     let mut outcomes = Vec::with_capacity(order.len());
     // The session whose snapshot outlasted --lock-timeout: while it still holds the same one, the
     // next indexes are left without waiting for it again.
     let mut outlasted = None;
-    for index in order {
-        outcomes.push(act(client, index, min_bytes, args, &mut outlasted).await);
+    for (index, verdict) in order {
+        outcomes.push(act(client, index, verdict, min_bytes, args, &mut outlasted).await);
     }
     let failed = outcomes.iter().filter(|o| o.action == "failed").count();
     if args.output.json {
@@ -135,6 +136,7 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
 async fn act(
     client: &tokio_postgres::Client,
     index: &QueueIndex,
+    verdict: Verdict,
     min_bytes: i64,
     args: &Args,
     outlasted: &mut Option<maintenance::SnapshotHolder>,
@@ -150,7 +152,7 @@ async fn act(
         bytes_after: None,
         seconds: None,
     };
-    match index.verdict(min_bytes) {
+    match verdict {
         Verdict::Small => outcome.reason = Some(format!("under --min-size ({})", mib(min_bytes))),
         Verdict::NotGrown => {
             outcome.reason =
@@ -182,56 +184,69 @@ async fn act(
             }
             outcome.seconds = Some(started.elapsed().as_secs_f64());
         }
-        Verdict::Rebuild => {
-            let started = Instant::now();
-            // (the holder, whether it was waited for now rather than still there from before)
-            let waited = match outlasted.take() {
-                Some(holder) => match maintenance::old_snapshot_holders(client).await {
-                    Ok(now) if now.contains(&holder) => Ok(Some((holder, false))),
-                    _ => {
-                        wait_for_old_snapshots(client, args.lock_timeout).await.map(|h| h.map(|h| (h, true)))
-                    }
-                },
-                None => wait_for_old_snapshots(client, args.lock_timeout).await.map(|h| h.map(|h| (h, true))),
-            };
-            match waited {
-                Ok(None) => {}
-                Ok(Some((holder, waited_now))) => {
-                    outcome.action = "failed";
-                    outcome.reason = Some(format!(
-                        "session {} (role {}) {} a snapshot older than every running transaction for \
-                         longer than --lock-timeout ({}): a rebuild now would keep every entry it keeps; \
-                         not started. docs/operations.md, \"A long transaction elsewhere on the database\"",
-                        holder.pid,
-                        holder.role.as_deref().unwrap_or("?"),
-                        if waited_now { "has held" } else { "still holds, not waited for again," },
-                        humantime::format_duration(args.lock_timeout)
-                    ));
-                    outcome.seconds = Some(started.elapsed().as_secs_f64());
-                    *outlasted = Some(holder);
-                    return outcome;
-                }
-                Err(e) => {
-                    outcome.action = "failed";
-                    outcome.reason = Some(format!("looking for old snapshots: {}", describe_db_error(&e)));
-                    return outcome;
-                }
-            }
-            match maintenance::rebuild_index(client, &index.name).await {
-                Ok(()) => {
-                    outcome.action = "rebuilt";
-                    outcome.bytes_after = maintenance::index_bytes(client, &index.name).await.ok();
-                }
-                Err(e) => {
-                    outcome.action = "failed";
-                    outcome.reason = Some(failure(&e, args));
-                    drop_copies(client, index).await;
-                }
-            }
-            outcome.seconds = Some(started.elapsed().as_secs_f64());
-        }
+        Verdict::Rebuild => rebuild(client, index, args, outlasted, &mut outcome).await,
     }
     outcome
+}
+
+/// Rebuilds `index` unless a session holding an old snapshot is in the way (see the module's doc),
+/// and records what happened in `outcome`.
+async fn rebuild(
+    client: &tokio_postgres::Client,
+    index: &QueueIndex,
+    args: &Args,
+    outlasted: &mut Option<maintenance::SnapshotHolder>,
+    outcome: &mut Outcome,
+) {
+    let started = Instant::now();
+    match snapshot_in_the_way(client, args.lock_timeout, outlasted).await {
+        Ok(None) => match maintenance::rebuild_index(client, &index.name).await {
+            Ok(()) => {
+                outcome.action = "rebuilt";
+                outcome.bytes_after = maintenance::index_bytes(client, &index.name).await.ok();
+            }
+            Err(e) => {
+                outcome.action = "failed";
+                outcome.reason = Some(failure(&e, args));
+                drop_copies(client, index).await;
+            }
+        },
+        Ok(Some((holder, waited_now))) => {
+            outcome.action = "failed";
+            outcome.reason = Some(format!(
+                "session {} (role {}) {} a snapshot older than every running transaction for \
+                 longer than --lock-timeout ({}): a rebuild now would keep every entry it keeps; \
+                 not started. docs/operations.md, \"A long transaction elsewhere on the database\"",
+                holder.pid,
+                holder.role.as_deref().unwrap_or("?"),
+                if waited_now { "has held" } else { "still holds, not waited for again," },
+                humantime::format_duration(args.lock_timeout)
+            ));
+            *outlasted = Some(holder);
+        }
+        Err(e) => {
+            outcome.action = "failed";
+            outcome.reason = Some(format!("looking for old snapshots: {}", describe_db_error(&e)));
+            return;
+        }
+    }
+    outcome.seconds = Some(started.elapsed().as_secs_f64());
+}
+
+/// The session whose old snapshot keeps a rebuild from starting, and whether it was waited for
+/// now (false: `outlasted`, which already outlasted `patience` in this run, still holds the same
+/// snapshot, and is not waited for again). None: nothing in the way.
+async fn snapshot_in_the_way(
+    client: &tokio_postgres::Client,
+    patience: Duration,
+    outlasted: &mut Option<maintenance::SnapshotHolder>,
+) -> Result<Option<(maintenance::SnapshotHolder, bool)>, tokio_postgres::Error> {
+    if let Some(holder) = outlasted.take() {
+        if maintenance::old_snapshot_holders(client).await?.contains(&holder) {
+            return Ok(Some((holder, false)));
+        }
+    }
+    Ok(wait_for_old_snapshots(client, patience).await?.map(|holder| (holder, true)))
 }
 
 /// Waits until no session has held an old snapshot across two looks [`SNAPSHOT_POLL`] apart
