@@ -731,7 +731,7 @@ struct Purge {
 
 /// One run of `inbox-worker reindex` at its defaults: its report (also when it exits 1, having
 /// given up a rebuild) and what went wrong.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Reindex {
     seconds: f64,
     report: Value,
@@ -739,23 +739,23 @@ struct Reindex {
 }
 
 impl Reindex {
-    /// `index: action` of each index it rebuilt, dropped or failed on.
-    fn summary(&self) -> String {
-        let acted: Vec<String> = self.report["indexes"]
+    /// The report's entries of the indexes it rebuilt, dropped or failed on.
+    fn acted(&self) -> Vec<&Value> {
+        self.report["indexes"]
             .as_array()
-            .map(|all| {
-                all.iter()
-                    .filter(|i| i["action"] != "left")
-                    .map(|i| {
-                        format!(
-                            "{} {}",
-                            i["index"].as_str().unwrap_or("?"),
-                            i["action"].as_str().unwrap_or("?")
-                        )
-                    })
-                    .collect()
+            .map(|all| all.iter().filter(|i| i["action"] != "left").collect())
+            .unwrap_or_default()
+    }
+
+    /// `index action` of each index it rebuilt, dropped or failed on.
+    fn summary(&self) -> String {
+        let acted: Vec<String> = self
+            .acted()
+            .iter()
+            .map(|i| {
+                format!("{} {}", i["index"].as_str().unwrap_or("?"), i["action"].as_str().unwrap_or("?"))
             })
-            .unwrap_or_default();
+            .collect();
         match (&self.error, acted.is_empty()) {
             (Some(e), _) => format!("reindex {:.1} s: {} — {e}", self.seconds, acted.join(", ")),
             (None, true) => format!("reindex {:.1} s: nothing to rebuild", self.seconds),
@@ -764,22 +764,29 @@ impl Reindex {
     }
 }
 
-async fn reindex(ctx: &Ctx, url: &str) -> Reindex {
-    let mut cmd = ctx.bins.command("inbox-worker", url);
-    cmd.args(["reindex", "--json"]);
+/// Runs an operator command to its end: its seconds, its stdout, and what went wrong (it could not
+/// run, or it exited non-zero: the status and its stderr).
+async fn run_command(mut cmd: std::process::Command) -> (f64, Vec<u8>, Option<String>) {
     let started = Instant::now();
     let out = tokio::task::spawn_blocking(move || cmd.output()).await;
     let seconds = started.elapsed().as_secs_f64();
     match out {
-        Ok(Ok(o)) => Reindex {
-            seconds,
-            report: serde_json::from_slice::<Value>(&o.stdout).unwrap_or(Value::Null),
-            error: (!o.status.success())
-                .then(|| format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())),
-        },
-        Ok(Err(e)) => Reindex { seconds, report: Value::Null, error: Some(e.to_string()) },
-        Err(e) => Reindex { seconds, report: Value::Null, error: Some(e.to_string()) },
+        Ok(Ok(o)) => {
+            let error = (!o.status.success())
+                .then(|| format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim()));
+            (seconds, o.stdout, error)
+        }
+        Ok(Err(e)) => (seconds, Vec::new(), Some(e.to_string())),
+        Err(e) => (seconds, Vec::new(), Some(e.to_string())),
     }
+}
+
+async fn reindex(ctx: &Ctx, url: &str) -> Reindex {
+    let mut cmd = ctx.bins.command("inbox-worker", url);
+    cmd.args(["reindex", "--json"]);
+    // Its report is on stdout also when it exits 1, having left an index.
+    let (seconds, stdout, error) = run_command(cmd).await;
+    Reindex { seconds, report: serde_json::from_slice(&stdout).unwrap_or(Value::Null), error }
 }
 
 async fn purge(ctx: &Ctx, url: &str, t0: Instant) -> Purge {
@@ -793,22 +800,16 @@ async fn purge(ctx: &Ctx, url: &str, t0: Instant) -> Purge {
         "bench-soak",
         "--json",
     ]);
-    let started = Instant::now();
-    let at = started.duration_since(t0).as_secs_f64();
-    let out = tokio::task::spawn_blocking(move || cmd.output()).await;
-    let seconds = started.elapsed().as_secs_f64();
-    let reindex = reindex(ctx, url).await;
-    let (report, error) = match out {
-        Ok(Ok(o)) if o.status.success() => match serde_json::from_slice::<Value>(&o.stdout) {
+    let at = t0.elapsed().as_secs_f64();
+    let (seconds, stdout, error) = run_command(cmd).await;
+    let (report, error) = match error {
+        Some(e) => (Value::Null, Some(e)),
+        None => match serde_json::from_slice::<Value>(&stdout) {
             Ok(report) => (report, None),
             Err(e) => (Value::Null, Some(format!("purge --json output: {e}"))),
         },
-        Ok(Ok(o)) => {
-            (Value::Null, Some(format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())))
-        }
-        Ok(Err(e)) => (Value::Null, Some(e.to_string())),
-        Err(e) => (Value::Null, Some(e.to_string())),
     };
+    let reindex = reindex(ctx, url).await;
     Purge { at, seconds, report, error, reindex }
 }
 
@@ -1054,8 +1055,7 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
             "outbox_deleted": p.report["outbox_deleted"], "batches": p.report["batches"], "error": p.error,
             "reindex": {
                 "seconds": p.reindex.seconds, "error": p.reindex.error,
-                "indexes": p.reindex.report["indexes"].as_array().map(|all| all.iter()
-                    .filter(|i| i["action"] != "left").cloned().collect::<Vec<_>>()),
+                "indexes": p.reindex.acted(),
             },
         })).collect::<Vec<_>>(),
         "worker_defaults": ctx.worker_defaults,
