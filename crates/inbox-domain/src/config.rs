@@ -241,6 +241,11 @@ pub fn parse_byte_size(s: &str) -> Result<u64, String> {
         .map_err(|e| format!("{e} (use e.g. 1MiB, 512KiB, 65536)"))
 }
 
+/// A size for people, in the units [`parse_byte_size`] reads (`8.0 MiB`, `16.0 KiB`).
+pub fn format_byte_size(bytes: u64) -> String {
+    bytesize::ByteSize(bytes).to_string()
+}
+
 /// The warning for a secret given as a command-line flag: the process list (`ps`,
 /// `/proc/PID/cmdline`) shows it to every user of the machine. Names the flag and where the
 /// secret belongs, never the secret.

@@ -17,7 +17,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Args as ClapArgs;
-use inbox_domain::config::{parse_byte_size, parse_duration};
+use inbox_domain::config::{format_byte_size, parse_byte_size, parse_duration};
 use inbox_domain::db::describe_db_error;
 use inbox_domain::inbox::store::maintenance::{self, QueueIndex, Verdict};
 use serde::Serialize;
@@ -153,7 +153,7 @@ async fn act(
         seconds: None,
     };
     match verdict {
-        Verdict::Small => outcome.reason = Some(format!("under --min-size ({})", mib(min_bytes))),
+        Verdict::Small => outcome.reason = Some(format!("under --min-size ({})", size(min_bytes))),
         Verdict::NotGrown => {
             outcome.reason =
                 Some(format!("under {}× the size a rebuild would give it", maintenance::REBUILD_WHEN_GROWN))
@@ -161,8 +161,8 @@ async fn act(
         Verdict::NotWorthReading => {
             outcome.reason = Some(format!(
                 "a rebuild would read its table ({}) twice to give back {}",
-                mib(index.table_bytes),
-                mib(index.bytes - index.rebuilt_bytes().unwrap_or(0))
+                size(index.table_bytes),
+                size(index.bytes - index.rebuilt_bytes().unwrap_or(0))
             ))
         }
         Verdict::NoStatistics => {
@@ -304,8 +304,8 @@ async fn drop_copies(client: &tokio_postgres::Client, index: &QueueIndex) {
     }
 }
 
-fn mib(bytes: i64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+fn size(bytes: i64) -> String {
+    format_byte_size(u64::try_from(bytes).unwrap_or(0))
 }
 
 fn render(outcomes: &[Outcome]) -> String {
@@ -321,14 +321,14 @@ fn render(outcomes: &[Outcome]) -> String {
     for o in outcomes {
         table.push(vec![
             format!("{}.{}", o.table, o.index),
-            mib(o.bytes),
+            size(o.bytes),
             o.entries.map_or_else(|| "-".to_owned(), |e| format!("{e:.0}")),
-            o.rebuilt_bytes_estimate.map_or_else(|| "-".to_owned(), mib),
+            o.rebuilt_bytes_estimate.map_or_else(|| "-".to_owned(), size),
             match (o.action, &o.reason) {
                 ("left", Some(reason)) => format!("left: {reason}"),
                 (action, _) => action.to_owned(),
             },
-            o.bytes_after.map_or_else(|| "-".to_owned(), mib),
+            o.bytes_after.map_or_else(|| "-".to_owned(), size),
             o.seconds.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")),
         ]);
     }
