@@ -324,3 +324,64 @@ async fn reindex_starts_no_rebuild_under_a_held_snapshot_and_drops_what_an_inter
     let rebuilt = scalar(&client, "SELECT pg_relation_size('webhook_inbox_queue_by_type')").await;
     assert!(rebuilt * 4 < grown, "{grown} bytes before, {rebuilt} after");
 }
+
+/// The statistics count an index's entries only when a vacuum or an analyse runs: a queue counted
+/// while it was empty (or never, right after the migration) may hold a backlog of thousands of
+/// rows since — the workers stopped, a burst — and its indexes are then dense, not grown. `reindex`
+/// counts the entries of what the statistics would have it rebuild, and leaves such an index as it
+/// is, saying how many it counted; the index counted by its partial predicate is the outbox's.
+#[tokio::test]
+async fn reindex_counts_a_backlog_the_statistics_missed_and_leaves_its_dense_indexes() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    // Counted empty, and no autovacuum to count them again during the test.
+    client
+        .batch_execute(
+            "ALTER TABLE webhook_inbox_queue SET (autovacuum_enabled = off);
+             ANALYZE webhook_inbox_queue;",
+        )
+        .await
+        .unwrap();
+    let counted = "SELECT reltuples::int8 FROM pg_class WHERE relname = 'webhook_inbox_queue_pkey'";
+    assert_eq!(scalar(&client, counted).await, 0);
+    // The backlog: stored, never claimed.
+    const BACKLOG: i64 = 20_000;
+    client
+        .execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+             SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid', '{}' FROM generate_series(1, $1::int8) i",
+            &[&BACKLOG],
+        )
+        .await
+        .unwrap();
+    let pkey_bytes = "SELECT pg_relation_size('webhook_inbox_queue_pkey')";
+    let before = scalar(&client, pkey_bytes).await;
+    assert!(before > 40 * 8192, "a backlog's index of many pages: {before} bytes");
+
+    let (code, report, output) = reindex(&db.url(), &["--min-size", "0"]).await;
+    assert_eq!(code, 0, "{output}");
+    let report = report.unwrap();
+    let pkey = entry(&report, "webhook_inbox_queue_pkey");
+    assert_eq!(pkey["action"], "left", "{report}");
+    assert_eq!(pkey["entries"], BACKLOG as f64, "{report}");
+    assert_eq!(pkey["entries_counted"], true, "{report}");
+    assert!(pkey["reason"].as_str().unwrap().contains("the size a rebuild would give it"), "{report}");
+    // The index by type is left by the statistics alone (what it would give back is little beside
+    // the table a rebuild reads): a verdict that leaves an index costs no count.
+    let by_type = entry(&report, "webhook_inbox_queue_by_type");
+    assert_eq!(by_type["action"], "left", "{report}");
+    assert_eq!(by_type["entries_counted"], false, "{report}");
+    assert_eq!(scalar(&client, pkey_bytes).await, before, "not rebuilt");
+    assert_eq!(unprocessed(&client).await, BACKLOG, "the backlog is all still there");
+
+    // The human report says the same.
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).args(["reindex", "--min-size", "0", "--dry-run"]);
+    let (code, output) =
+        tokio::task::spawn_blocking(move || inbox_test_support::process::run(cmd, Duration::from_secs(60)))
+            .await
+            .unwrap();
+    assert_eq!(code, 0, "{output}");
+    assert!(output.contains("20000 (counted)"), "{output}");
+    assert!(!output.contains("would_rebuild"), "{output}");
+}

@@ -57,6 +57,9 @@ struct Outcome {
     table: String,
     bytes: i64,
     entries: Option<f64>,
+    /// Whether `entries` was counted just now (before a rebuild) rather than read from the
+    /// statistics.
+    entries_counted: bool,
     rebuilt_bytes_estimate: Option<i64>,
     /// `rebuilt`, `dropped` (a leftover), `would_rebuild`, `would_drop` (--dry-run), `left`,
     /// `failed`.
@@ -74,9 +77,19 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
             "another reindex is running on this database (it holds the reindex advisory lock): let it finish"
         );
     }
-    let indexes =
+    let mut indexes =
         maintenance::queue_indexes(client).await.map_err(db_error("listing the queue tables' indexes"))?;
     let min_bytes = i64::try_from(args.min_size).unwrap_or(i64::MAX);
+    // The timeouts bound the counts below as well as the rebuilds.
+    maintenance::set_rebuild_timeouts(client, args.lock_timeout, args.timeout)
+        .await
+        .map_err(db_error("setting the session's timeouts"))?;
+    // What the statistics would have rebuilt is counted first: they may predate the rows since.
+    for index in indexes.iter_mut().filter(|i| i.verdict(min_bytes).wants_a_count()) {
+        maintenance::count_entries(client, index).await.map_err(|e| {
+            inbox_domain::db::db_error(&format!("counting the entries of {}", index.index), &e)
+        })?;
+    }
     // Leftovers first: each is maintained by every write until it is dropped.
     let mut order: Vec<(&QueueIndex, Verdict)> = indexes.iter().map(|i| (i, i.verdict(min_bytes))).collect();
     order.sort_by_key(|(_, verdict)| *verdict != Verdict::DropLeftover);
@@ -92,11 +105,6 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
             index.index,
             index.table
         );
-    }
-    if !args.dry_run && !to_change.is_empty() {
-        maintenance::set_rebuild_timeouts(client, args.lock_timeout, args.timeout)
-            .await
-            .map_err(db_error("setting the session's timeouts"))?;
     }
     let mut outcomes = Vec::with_capacity(order.len());
     // The session whose snapshot outlasted --lock-timeout: while it still holds the same one, the
@@ -146,6 +154,7 @@ async fn act(
         table: index.table.clone(),
         bytes: index.bytes,
         entries: index.entries,
+        entries_counted: index.entries_counted,
         rebuilt_bytes_estimate: index.rebuilt_bytes(),
         action: "left",
         reason: None,
@@ -322,7 +331,11 @@ fn render(outcomes: &[Outcome]) -> String {
         table.push(vec![
             format!("{}.{}", o.table, o.index),
             size(o.bytes),
-            o.entries.map_or_else(|| "-".to_owned(), |e| format!("{e:.0}")),
+            match (o.entries, o.entries_counted) {
+                (None, _) => "-".to_owned(),
+                (Some(e), false) => format!("{e:.0}"),
+                (Some(e), true) => format!("{e:.0} (counted)"),
+            },
             o.rebuilt_bytes_estimate.map_or_else(|| "-".to_owned(), size),
             match (o.action, &o.reason) {
                 ("left", Some(reason)) => format!("left: {reason}"),

@@ -28,7 +28,9 @@
 //! at 800 events/s took them from 1–6 MiB to 18–22 MiB each, where they stayed (docs/performance.md).
 //! `inbox-worker reindex`, run by the tables' owner, rebuilds each of them that has grown well past
 //! what a rebuild would give it, when what it gives back is worth reading the table for, with `REINDEX INDEX CONCURRENTLY`: the ingest, the workers and the
-//! relays go on writing while it runs. [`QueueIndex::verdict`] decides; the statements are below.
+//! relays go on writing while it runs. [`QueueIndex::verdict`] decides, from the statistics' count
+//! of an index's entries, or from a count made just then when it would act on them
+//! ([`Verdict::wants_a_count`]); the statements are below.
 
 use tokio_postgres::Client;
 
@@ -89,11 +91,15 @@ pub async fn analyze_after_stats_reset(
 /// copies (`<index>_ccnew`, `_ccold`, with a digit when taken): what an interrupted rebuild leaves,
 /// which every write still maintains. `table_bytes`: the table's heap, which a rebuild reads
 /// twice. `owned`: whether the current role may rebuild it (only the
-/// table's owner, or a member of its role, may). `name` is the index quoted for a statement.
+/// table's owner, or a member of its role, may). `name` is the index quoted for a statement,
+/// `table_quoted` its table, and `predicate` a partial index's `WHERE` as PostgreSQL prints it:
+/// what [`count_entries`] reads.
 pub const QUEUE_INDEXES_SQL: &str = "\
 SELECT format('%I.%I', n.nspname, ic.relname) AS name,
        ic.relname::text AS index,
        t.relname::text AS table_name,
+       format('%I.%I', n.nspname, t.relname) AS table_quoted,
+       pg_get_expr(i.indpred, i.indrelid) AS predicate,
        pg_relation_size(ic.oid) AS bytes,
        pg_relation_size(t.oid) AS table_bytes,
        ic.reltuples::float8 AS entries,
@@ -122,12 +128,19 @@ pub struct QueueIndex {
     pub index: String,
     /// `webhook_inbox_queue` or `outbox`.
     pub table: String,
+    /// Its table, schema-qualified and quoted, for [`count_entries`].
+    pub table_quoted: String,
+    /// A partial index's predicate (SQL, as PostgreSQL prints it), for [`count_entries`].
+    pub predicate: Option<String>,
     /// Its size on disk.
     pub bytes: i64,
     /// The size of its table's heap, which a rebuild reads (twice: to build, then to validate).
     pub table_bytes: i64,
-    /// Its entries as the last vacuum or analyse counted them; None before any.
+    /// Its entries as the last vacuum or analyse counted them (None before any), or as
+    /// [`count_entries`] counted them just now (`entries_counted`).
     pub entries: Option<f64>,
+    /// Whether `entries` is [`count_entries`]'s count rather than the statistics' figure.
+    pub entries_counted: bool,
     /// The estimated bytes of one entry on a leaf page (see [`QUEUE_INDEXES_SQL`]).
     pub entry_bytes: i64,
     /// Whether the index is valid (an interrupted concurrent build leaves an invalid one).
@@ -172,6 +185,20 @@ pub enum Verdict {
     NoStatistics,
     /// Invalid, and not a leftover of a rebuild (someone else's build): left, and reported.
     Invalid,
+}
+
+impl Verdict {
+    /// Whether acting on this verdict needs the index's entries counted first ([`count_entries`]).
+    /// The statistics' figure is from the last vacuum or analyse that counted them, and a rebuild
+    /// read from it may be wrong by every row inserted since: an index built on an empty table
+    /// counts 0 entries until its first vacuum, and a queue counted while it was empty may hold a
+    /// million rows an hour later, after the workers stopped. Such an index is dense, not grown,
+    /// and a rebuild would read its table twice for nothing. A verdict that leaves the index
+    /// cannot be wrong that way (more entries only make it less grown), so only a rebuild, or an
+    /// index never counted, pays for a count.
+    pub fn wants_a_count(self) -> bool {
+        matches!(self, Verdict::Rebuild | Verdict::NoStatistics)
+    }
 }
 
 impl QueueIndex {
@@ -219,9 +246,12 @@ pub async fn queue_indexes(client: &Client) -> Result<Vec<QueueIndex>, tokio_pos
                 name: row.get("name"),
                 index: row.get("index"),
                 table: row.get("table_name"),
+                table_quoted: row.get("table_quoted"),
+                predicate: row.get("predicate"),
                 bytes: row.get("bytes"),
                 table_bytes: row.get("table_bytes"),
                 entries: (entries >= 0.0).then_some(entries),
+                entries_counted: false,
                 entry_bytes: row.get("entry_bytes"),
                 valid: row.get("valid"),
                 leftover: row.get("leftover"),
@@ -229,6 +259,28 @@ pub async fn queue_indexes(client: &Client) -> Result<Vec<QueueIndex>, tokio_pos
             }
         })
         .collect())
+}
+
+/// The statement that counts `index`'s entries as a rebuild now would write them: the live rows
+/// of its table, those its predicate holds for when it is partial. The planner reads them the
+/// cheapest way it knows: for a partial index of the outbox, that index's own entries (few live,
+/// the dead ones the index grew by); for the queue table, its heap, as short as the backlog. At
+/// worst it reads the table once, which the rebuild it checks would read twice. Its text is the
+/// catalog's, quoted by [`QUEUE_INDEXES_SQL`], never input.
+pub fn count_entries_sql(index: &QueueIndex) -> String {
+    match &index.predicate {
+        Some(predicate) => format!("SELECT count(*) FROM {} WHERE {predicate}", index.table_quoted),
+        None => format!("SELECT count(*) FROM {}", index.table_quoted),
+    }
+}
+
+/// Counts `index`'s entries now ([`count_entries_sql`]) and sets them as its `entries`, for its
+/// verdict: see [`Verdict::wants_a_count`].
+pub async fn count_entries(client: &Client, index: &mut QueueIndex) -> Result<(), tokio_postgres::Error> {
+    let rows = client.query_typed(&count_entries_sql(index), &[]).await?;
+    index.entries = Some(rows.first().map_or(0, |r| r.get::<_, i64>(0)) as f64);
+    index.entries_counted = true;
+    Ok(())
 }
 
 /// Key of the session advisory lock a `reindex` run holds ("STRIPER1"): a second run at the same
@@ -341,9 +393,12 @@ mod tests {
             name: "public.webhook_inbox_queue_by_type".into(),
             index: "webhook_inbox_queue_by_type".into(),
             table: "webhook_inbox_queue".into(),
+            table_quoted: "public.webhook_inbox_queue".into(),
+            predicate: None,
             bytes: 20 * MIB,
             table_bytes: 8 * MIB,
             entries: Some(1000.0),
+            entries_counted: false,
             entry_bytes: 24,
             valid: true,
             leftover: false,
@@ -383,5 +438,41 @@ mod tests {
         assert_eq!(invalid.verdict(8 * MIB), Verdict::Invalid);
         let uncounted = QueueIndex { entries: None, ..grown() };
         assert_eq!(uncounted.verdict(8 * MIB), Verdict::NoStatistics);
+    }
+
+    #[test]
+    fn only_a_verdict_that_would_act_on_the_statistics_or_has_none_asks_for_a_count() {
+        let asks: Vec<Verdict> = [
+            Verdict::DropLeftover,
+            Verdict::Rebuild,
+            Verdict::Small,
+            Verdict::NotGrown,
+            Verdict::NotWorthReading,
+            Verdict::NoStatistics,
+            Verdict::Invalid,
+        ]
+        .into_iter()
+        .filter(|v| v.wants_a_count())
+        .collect();
+        assert_eq!(asks, [Verdict::Rebuild, Verdict::NoStatistics]);
+        // Counted, an index the statistics called empty is as dense as a rebuild would make it.
+        let backlog = QueueIndex { entries: Some(0.0), ..grown() };
+        assert_eq!(backlog.verdict(8 * MIB), Verdict::Rebuild);
+        let counted = QueueIndex { entries: Some(600_000.0), entries_counted: true, ..backlog };
+        assert_eq!(counted.verdict(8 * MIB), Verdict::NotGrown);
+    }
+
+    #[test]
+    fn a_partial_index_is_counted_by_its_own_predicate() {
+        let ready = QueueIndex {
+            table_quoted: "public.outbox".into(),
+            predicate: Some("((published_at IS NULL) AND (parked_at IS NULL))".into()),
+            ..grown()
+        };
+        assert_eq!(
+            count_entries_sql(&ready),
+            "SELECT count(*) FROM public.outbox WHERE ((published_at IS NULL) AND (parked_at IS NULL))"
+        );
+        assert_eq!(count_entries_sql(&grown()), "SELECT count(*) FROM public.webhook_inbox_queue");
     }
 }
