@@ -431,7 +431,11 @@ impl Table {
     pub fn print(&self) {
         let w0 = self.rows.iter().map(|r| r.figure.chars().count()).max().unwrap_or(6).max(6);
         let w1 = self.rows.iter().map(|r| r.value.chars().count()).max().unwrap_or(5).max(5);
-        let ratio = |r: &Row| r.ratio.as_ref().map_or(String::new(), |(x, vs)| format!("{x:.2} × {vs}"));
+        let ratio = |r: &Row| {
+            r.ratio
+                .as_ref()
+                .map_or(String::new(), |(x, vs)| format!("{} × {vs}", ratio_digits(*x, &r.target)))
+        };
         let w2 = self.rows.iter().map(|r| ratio(r).chars().count()).max().unwrap_or(5).max(5);
         let w3 = self.rows.iter().map(|r| r.target.chars().count()).max().unwrap_or(6).max(6);
         let pad = |s: &str, w: usize| format!("{s}{}", " ".repeat(w.saturating_sub(s.chars().count())));
@@ -735,4 +739,28 @@ pub fn machine_lines(m: &Value) -> Vec<String> {
             m["bin_dir"].as_str().unwrap_or("?")
         ),
     ]
+}
+
+/// A ratio to two decimals, or three when two would print the bound of its target (the first
+/// number in `target`): 0.9469 as "0.95" beside "≥ 0.95  NO" reads as a contradiction.
+fn ratio_digits(x: f64, target: &str) -> String {
+    let bound =
+        target.split(|c: char| !(c.is_ascii_digit() || c == '.')).find_map(|word| word.parse::<f64>().ok());
+    match bound {
+        Some(bound) if format!("{x:.2}") == format!("{bound:.2}") => format!("{x:.3}"),
+        _ => format!("{x:.2}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ratio_digits;
+
+    #[test]
+    fn a_ratio_that_rounds_to_its_bound_shows_a_third_decimal() {
+        assert_eq!(ratio_digits(0.9469, "≥ 0.95"), "0.947");
+        assert_eq!(ratio_digits(1.2049, "≤ 1.20 (flat)"), "1.205");
+        assert_eq!(ratio_digits(1.13, "≥ 1.20, p99 ≤ 25"), "1.13");
+        assert_eq!(ratio_digits(0.93, ""), "0.93");
+    }
 }
