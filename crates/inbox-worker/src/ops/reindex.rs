@@ -85,11 +85,9 @@ pub async fn run(client: &tokio_postgres::Client, args: &Args) -> anyhow::Result
         .await
         .map_err(db_error("setting the session's timeouts"))?;
     // What the statistics would have rebuilt is counted first: they may predate the rows since.
-    for index in indexes.iter_mut().filter(|i| i.verdict(min_bytes).wants_a_count()) {
-        maintenance::count_entries(client, index).await.map_err(|e| {
-            inbox_domain::db::db_error(&format!("counting the entries of {}", index.index), &e)
-        })?;
-    }
+    maintenance::count_entries(client, &mut indexes, min_bytes)
+        .await
+        .map_err(|(index, e)| inbox_domain::db::db_error(&format!("counting the entries of {index}"), &e))?;
     // Leftovers first: each is maintained by every write until it is dropped.
     let mut order: Vec<(&QueueIndex, Verdict)> = indexes.iter().map(|i| (i, i.verdict(min_bytes))).collect();
     order.sort_by_key(|(_, verdict)| *verdict != Verdict::DropLeftover);

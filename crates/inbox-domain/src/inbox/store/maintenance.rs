@@ -274,12 +274,30 @@ pub fn count_entries_sql(index: &QueueIndex) -> String {
     }
 }
 
-/// Counts `index`'s entries now ([`count_entries_sql`]) and sets them as its `entries`, for its
-/// verdict: see [`Verdict::wants_a_count`].
-pub async fn count_entries(client: &Client, index: &mut QueueIndex) -> Result<(), tokio_postgres::Error> {
-    let rows = client.query_typed(&count_entries_sql(index), &[]).await?;
-    index.entries = Some(rows.first().map_or(0, |r| r.get::<_, i64>(0)) as f64);
-    index.entries_counted = true;
+/// Counts now ([`count_entries_sql`]) the entries of each of `indexes` whose verdict at
+/// `min_bytes` wants a count ([`Verdict::wants_a_count`]), and sets them as its `entries`. Indexes
+/// with the same statement (a table's primary key and its other full indexes) share one count:
+/// each statement reads the table once. On an error, the index it was counting.
+pub async fn count_entries(
+    client: &Client,
+    indexes: &mut [QueueIndex],
+    min_bytes: i64,
+) -> Result<(), (String, tokio_postgres::Error)> {
+    let mut counted: Vec<(String, f64)> = Vec::new();
+    for index in indexes.iter_mut().filter(|i| i.verdict(min_bytes).wants_a_count()) {
+        let sql = count_entries_sql(index);
+        let entries = match counted.iter().find(|(done, _)| *done == sql) {
+            Some((_, entries)) => *entries,
+            None => {
+                let rows = client.query_typed(&sql, &[]).await.map_err(|e| (index.index.clone(), e))?;
+                let entries = rows.first().map_or(0, |r| r.get::<_, i64>(0)) as f64;
+                counted.push((sql, entries));
+                entries
+            }
+        };
+        index.entries = Some(entries);
+        index.entries_counted = true;
+    }
     Ok(())
 }
 
