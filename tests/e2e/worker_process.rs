@@ -27,9 +27,9 @@ async fn slow_bookings(client: &tokio_postgres::Client, when: &str, seconds: f64
     slow_writes(client, "ledger_entries", &format!("{when} INSERT"), seconds).await;
 }
 
-/// Waits until a worker backend is inside the ledger booking.
-async fn wait_for_booking_in_progress(client: &tokio_postgres::Client) {
-    let seen = eventually(Duration::from_secs(20), || async {
+/// Waits until a worker backend is inside the ledger booking; whether one got there.
+async fn booking_in_progress(client: &tokio_postgres::Client) -> bool {
+    eventually(Duration::from_secs(20), || async {
         scalar(
             client,
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
@@ -38,8 +38,41 @@ async fn wait_for_booking_in_progress(client: &tokio_postgres::Client) {
         .await
             > 0
     })
-    .await;
-    assert!(seen, "no worker reached the booking");
+    .await
+}
+
+/// Waits until a worker backend is inside the ledger booking; panics with `worker`'s output and
+/// the rows' state if none gets there.
+async fn wait_for_booking_in_progress(client: &tokio_postgres::Client, worker: &Proc) {
+    if !booking_in_progress(client).await {
+        panic!("no worker reached the booking\n{}\n{}", rows_state(client).await, worker.output());
+    }
+}
+
+/// Each inbox row's progress, for a failure message: what a timed-out wait was waiting on.
+async fn rows_state(client: &tokio_postgres::Client) -> String {
+    let rows = client
+        .query(
+            "SELECT event_id, attempts, round(extract(epoch FROM available_at - now())::numeric, 2)::text,
+                    processed_at IS NOT NULL, parked_at IS NOT NULL, coalesce(last_error, '')
+               FROM webhook_inbox ORDER BY event_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut out = String::from("event_id attempts available_in_s processed parked last_error\n");
+    for row in rows {
+        let (id, attempts, available_in, processed, parked, error): (
+            String,
+            i32,
+            String,
+            bool,
+            bool,
+            String,
+        ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4), row.get(5));
+        out.push_str(&format!("{id} {attempts} {available_in} {processed} {parked} {error}\n"));
+    }
+    out
 }
 
 /// Stores `n` `invoice.paid` events: `evt_i` pays `in_i` 100 + i.
@@ -64,7 +97,7 @@ async fn a_worker_killed_mid_handler_loses_nothing_and_books_once() {
     store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
     let flags = ["--lease", "4s", "--statement-timeout", "2s"];
     let mut a = start(worker(&db, &flags));
-    wait_for_booking_in_progress(&client).await;
+    wait_for_booking_in_progress(&client, &a).await;
     a.signal(libc::SIGKILL);
     a.wait(Duration::from_secs(10));
     tokio::time::sleep(Duration::from_secs(2)).await; // the server notices and rolls back
@@ -90,7 +123,7 @@ async fn a_worker_frozen_past_its_lease_and_resumed_books_nothing_twice() {
     store_event(&client, "billing", &invoice_paid("evt_1", "in_1", 100)).await;
     let flags = ["--lease", "3s", "--statement-timeout", "1500ms"];
     let a = start(worker(&db, &flags));
-    wait_for_booking_in_progress(&client).await;
+    wait_for_booking_in_progress(&client, &a).await;
     a.signal(libc::SIGSTOP);
     // B takes the row once A's lease expires; A's idle transaction is cut off by the server.
     let b = start(worker(&db, &flags));
@@ -118,14 +151,14 @@ async fn three_storms_of_terminated_backends_park_nothing_and_book_every_event_o
     }
     let w = start(worker(&db, &["--max-attempts", "3", "--lease", "30s", "--statement-timeout", "10s"]));
     for storm in 1..=3 {
-        wait_for_booking_in_progress(&client).await;
+        wait_for_booking_in_progress(&client, &w).await;
         let killed = scalar(
             &client,
             "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
               WHERE datname = current_database() AND application_name LIKE 'inbox-worker%') AS t",
         )
         .await;
-        assert!(killed > 0, "storm {storm} terminated no worker session");
+        assert!(killed > 0, "storm {storm} terminated no worker session\n{}", w.output());
         // The next storm must meet the next attempt, not this one's dying session.
         let gone = eventually(Duration::from_secs(10), || async {
             scalar(
@@ -137,9 +170,16 @@ async fn three_storms_of_terminated_backends_park_nothing_and_book_every_event_o
                 == 0
         })
         .await;
-        assert!(gone, "storm {storm}: the terminated session is still booking");
+        assert!(
+            gone,
+            "storm {storm}: the terminated session is still booking\n{}\n{}",
+            rows_state(&client).await,
+            w.output()
+        );
     }
-    assert!(all_processed(&client, Duration::from_secs(30)).await, "{}", w.output());
+    if !all_processed(&client, Duration::from_secs(30)).await {
+        panic!("not all processed\n{}\n{}", rows_state(&client).await, w.output());
+    }
     assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE parked_at IS NOT NULL").await, 0);
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 3);
     assert_eq!(scalar(&client, "SELECT count(*) FROM outbox").await, 3);
@@ -178,7 +218,7 @@ async fn sigterm_finishes_events_in_flight_and_exits_0_losing_nothing() {
         store_event(&client, "billing", &invoice_paid(&format!("evt_{i}"), &format!("in_{i}"), 100)).await;
     }
     let mut w = start(worker(&db, &["--concurrency", "4", "--shutdown-timeout", "20s"]));
-    wait_for_booking_in_progress(&client).await;
+    wait_for_booking_in_progress(&client, &w).await;
     w.signal(libc::SIGTERM);
     let status = w.wait(Duration::from_secs(30));
     assert_eq!(status.code(), Some(0), "{}", w.output());
