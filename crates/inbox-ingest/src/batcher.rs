@@ -55,7 +55,7 @@ struct Pending {
 pub const MAX_BATCH: usize = 256;
 
 /// Requests that must be waiting before a batch starts while another one is being written.
-pub const JOIN_AT: usize = 8;
+pub const JOIN_AT: usize = 16;
 
 /// What the writers share.
 struct Writers {
