@@ -27,9 +27,10 @@ async fn slow_bookings(client: &tokio_postgres::Client, when: &str, seconds: f64
     slow_writes(client, "ledger_entries", &format!("{when} INSERT"), seconds).await;
 }
 
-/// Waits until a worker backend is inside the ledger booking; whether one got there.
-async fn booking_in_progress(client: &tokio_postgres::Client) -> bool {
-    eventually(Duration::from_secs(20), || async {
+/// Waits until a worker backend is inside the ledger booking; panics with `worker`'s output and
+/// the rows' state if none gets there.
+async fn wait_for_booking_in_progress(client: &tokio_postgres::Client, worker: &Proc) {
+    let seen = eventually(Duration::from_secs(20), || async {
         scalar(
             client,
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
@@ -38,13 +39,8 @@ async fn booking_in_progress(client: &tokio_postgres::Client) -> bool {
         .await
             > 0
     })
-    .await
-}
-
-/// Waits until a worker backend is inside the ledger booking; panics with `worker`'s output and
-/// the rows' state if none gets there.
-async fn wait_for_booking_in_progress(client: &tokio_postgres::Client, worker: &Proc) {
-    if !booking_in_progress(client).await {
+    .await;
+    if !seen {
         panic!("no worker reached the booking\n{}\n{}", rows_state(client).await, worker.output());
     }
 }
