@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_test_support::db::{scalar, slow_writes};
+use inbox_test_support::db::{scalar, slow_writes, snapshot};
 use inbox_test_support::events::{invoice_paid, SECRET_A};
 use inbox_test_support::process::{command, rss_kib, run, Proc};
 use inbox_test_support::worker::{eventually, store_event};
@@ -28,7 +28,7 @@ async fn slow_bookings(client: &tokio_postgres::Client, when: &str, seconds: f64
 }
 
 /// Waits until a worker backend is inside the ledger booking; panics with `worker`'s output and
-/// the rows' state if none gets there.
+/// every inbox row if none gets there.
 async fn wait_for_booking_in_progress(client: &tokio_postgres::Client, worker: &Proc) {
     let seen = eventually(Duration::from_secs(20), || async {
         scalar(
@@ -41,34 +41,8 @@ async fn wait_for_booking_in_progress(client: &tokio_postgres::Client, worker: &
     })
     .await;
     if !seen {
-        panic!("no worker reached the booking\n{}\n{}", rows_state(client).await, worker.output());
+        panic!("no worker reached the booking\n{}\n{}", snapshot(client).await.join("\n"), worker.output());
     }
-}
-
-/// Each inbox row's progress, for a failure message: what a timed-out wait was waiting on.
-async fn rows_state(client: &tokio_postgres::Client) -> String {
-    let rows = client
-        .query(
-            "SELECT event_id, attempts, round(extract(epoch FROM available_at - now())::numeric, 2)::text,
-                    processed_at IS NOT NULL, parked_at IS NOT NULL, coalesce(last_error, '')
-               FROM webhook_inbox ORDER BY event_id",
-            &[],
-        )
-        .await
-        .unwrap();
-    let mut out = String::from("event_id attempts available_in_s processed parked last_error\n");
-    for row in rows {
-        let (id, attempts, available_in, processed, parked, error): (
-            String,
-            i32,
-            String,
-            bool,
-            bool,
-            String,
-        ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4), row.get(5));
-        out.push_str(&format!("{id} {attempts} {available_in} {processed} {parked} {error}\n"));
-    }
-    out
 }
 
 /// Stores `n` `invoice.paid` events: `evt_i` pays `in_i` 100 + i.
@@ -169,12 +143,12 @@ async fn three_storms_of_terminated_backends_park_nothing_and_book_every_event_o
         assert!(
             gone,
             "storm {storm}: the terminated session is still booking\n{}\n{}",
-            rows_state(&client).await,
+            snapshot(&client).await.join("\n"),
             w.output()
         );
     }
     if !all_processed(&client, Duration::from_secs(30)).await {
-        panic!("not all processed\n{}\n{}", rows_state(&client).await, w.output());
+        panic!("not all processed\n{}\n{}", snapshot(&client).await.join("\n"), w.output());
     }
     assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE parked_at IS NOT NULL").await, 0);
     assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 3);
