@@ -5,6 +5,7 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+use inbox_domain::db::Pooler;
 use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::{self, Failure};
@@ -80,6 +81,7 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     let started = std::time::Instant::now();
     let error = queue::claim(
         &conn,
+        Pooler::None,
         &inbox_test_support::worker::EVERY_TYPE,
         None,
         10,
@@ -102,6 +104,7 @@ async fn a_claim_over_its_server_side_timeout_leases_nothing() {
     client.batch_execute("DROP TRIGGER slow ON webhook_inbox").await.unwrap();
     let claimed = queue::claim(
         &conn,
+        Pooler::None,
         &inbox_test_support::worker::EVERY_TYPE,
         None,
         10,
@@ -133,6 +136,7 @@ async fn a_claim_stops_at_its_byte_budget_and_always_takes_one_row() {
         async move {
             queue::claim(
                 conn,
+                Pooler::None,
                 &inbox_test_support::worker::EVERY_TYPE,
                 None,
                 10,
@@ -289,6 +293,7 @@ async fn a_row_whose_worker_dies_after_every_claim_is_parked_at_the_attempt_limi
     let conn = pool.get().await.unwrap();
     let next = queue::claim(
         &conn,
+        Pooler::None,
         &inbox_test_support::worker::EVERY_TYPE,
         None,
         3,
@@ -1026,12 +1031,60 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
     }
 }
 
+/// Prepared on a worker's connection, a claim runs one generic plan, made at its first execution —
+/// on an empty queue when the worker starts on a fresh database — and kept until an analyse or a
+/// vacuum of a table it reads. Under the claim's settings that plan reads the queue's index in
+/// order and probes the inbox by key, whatever sizes the planner saw: made on an empty queue and
+/// run on one grown to 20k rows that nothing has analysed yet, no step of it scans the queue or the
+/// inbox, for the claim of every type and the claim of some types.
+#[tokio::test]
+async fn the_claims_generic_plan_made_on_an_empty_queue_reads_only_the_queues_index_once_it_grew() {
+    use inbox_domain::inbox::store::queue::{CLAIM_GENERIC_PLANNER_SQL, CLAIM_SQL, CLAIM_TYPED_SQL};
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let claims = [
+        ("claim", CLAIM_SQL, "int, bigint, float8, bigint, timestamptz", "(10, 32, 30.0, 33554432, NULL)"),
+        (
+            "typed_claim",
+            CLAIM_TYPED_SQL,
+            "int, bigint, float8, bigint, timestamptz, text[], text[], text[]",
+            "(10, 32, 30.0, 33554432, NULL, '{invoice.paid}', '{customer.}', '{customer/}')",
+        ),
+    ];
+    client.batch_execute(&CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
+    for (name, sql, types, args) in claims {
+        client.batch_execute(&format!("PREPARE {name}({types}) AS {sql}")).await.unwrap();
+        // The first claim, on the empty queue, makes the plan.
+        client.batch_execute(&format!("BEGIN; EXECUTE {name}{args}; ROLLBACK")).await.unwrap();
+    }
+    queue_rows(&client, 20_000, "invoice.paid").await;
+    for (name, _, _, args) in claims {
+        let plan: Vec<String> = column(&client, &format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}")).await;
+        let plan = plan.join("\n");
+        assert!(plan.contains("$5"), "{name}: the cached generic plan (its arguments unknown):\n{plan}");
+        let other_scans = plan
+            .lines()
+            .filter(|l| l.contains("Scan") && l.contains(" on webhook_inbox"))
+            .filter(|l| {
+                !l.contains("using webhook_inbox_queue_by_type")
+                    && !l.contains("Tid Scan")
+                    && !l.contains("using webhook_inbox_pkey on webhook_inbox w")
+            })
+            .count();
+        assert!(
+            plan.contains("using webhook_inbox_queue_by_type") && other_scans == 0 && !plan.contains("Hash"),
+            "{name} must read the queue's index in order and probe the inbox by key:\n{plan}"
+        );
+    }
+}
+
 /// The same trap on the worker's real path: one session (as a worker's pooled connection)
 /// processes its first batches while the queue is small — PostgreSQL caches a prepared
 /// statement's generic plan after five executions — then the queue grows to 20k rows; claiming
-/// and processing a batch of 32 must read about those 32 rows, not the queue. With the claim,
-/// lock and mark prepared, their cached plans (bitmap scan and sort of every ready row, partial
-/// index scans) read 45k.
+/// and processing a batch of 32 must read about those 32 rows, not the queue. The claim runs as a
+/// worker runs it, prepared, its generic plan held to its shape (`CLAIM_GENERIC_PLANNER_SQL`); with
+/// the claim prepared without those settings, and the lock and mark prepared, their cached plans
+/// (bitmap scan and sort of every ready row, partial index scans) read 45k.
 #[tokio::test]
 async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_first_batches() {
     let db = TestDb::new().await;
@@ -1090,7 +1143,7 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
 #[tokio::test]
 async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_at_the_dead_entries() {
     use inbox_domain::inbox::store::cursor::ClaimCursor;
-    use inbox_domain::inbox::store::queue::{CLAIM_PLANNER_SQL, CLAIM_SQL};
+    use inbox_domain::inbox::store::queue::{CLAIM_GENERIC_PLANNER_SQL, CLAIM_PLANNER_SQL, CLAIM_SQL};
     let db = TestDb::new().await;
     let mut client = db.client().await;
     client
@@ -1106,11 +1159,14 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
     client.batch_execute("VACUUM ANALYZE webhook_inbox, webhook_inbox_queue").await.unwrap();
     let reporting = hold_snapshot(&db, "webhook_inbox").await;
 
+    let pool = pool(&db, 1);
+    let conn = pool.get().await.unwrap();
     let mut cursor = ClaimCursor::new();
     let mut resume_from = None;
     for limit in std::iter::repeat_n(1000, 19).chain([500]) {
         let claim = queue::claim(
-            &client,
+            &conn,
+            Pooler::None,
             &inbox_test_support::worker::EVERY_TYPE,
             cursor.start(),
             10,
@@ -1137,36 +1193,45 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
     let since = resume_from.unwrap() - ClaimCursor::SLACK;
     let since = timestamptz_literal(&client, since).await;
 
-    client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
-    client.batch_execute(&CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
-    client
-        .batch_execute(&format!("PREPARE claim(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"))
-        .await
-        .unwrap();
-    let mut visited = Vec::new();
-    for start in [since, "NULL".to_owned()] {
-        let (plan, oldest) = explain_rolled_back(
-            &mut client,
-            &format!("EXECUTE claim(10, 32, 30.0, 33554432, {start})"),
-            "SELECT event_id FROM webhook_inbox WHERE attempts = 1 AND processed_at IS NULL ORDER BY received_at",
-        )
-        .await;
-        let expected: Vec<String> = (19_501..19_533).map(|i| format!("evt_{i}")).collect();
-        assert_eq!(oldest, expected, "from {start}, the oldest 32 ready rows: {plan}");
-        // The rows the queue's index scans visited in the table: its dead entries and the live.
-        let heap_fetches: u64 = plan
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("Heap Fetches: "))
-            .map(|n| n.parse::<u64>().unwrap())
-            .sum();
-        visited.push(heap_fetches);
+    // The plan a worker runs directly (prepared, generic) and behind a transaction pooler
+    // (unnamed: planned for its arguments).
+    let planners = [
+        CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET"),
+        format!("SET plan_cache_mode = force_custom_plan; {}", CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")),
+    ];
+    for (n, planner) in planners.iter().enumerate() {
+        client.batch_execute(planner).await.unwrap();
+        client
+            .batch_execute(&format!(
+                "PREPARE claim{n}(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"
+            ))
+            .await
+            .unwrap();
+        let mut visited = Vec::new();
+        for start in [since.clone(), "NULL".to_owned()] {
+            let (plan, oldest) = explain_rolled_back(
+                &mut client,
+                &format!("EXECUTE claim{n}(10, 32, 30.0, 33554432, {start})"),
+                "SELECT event_id FROM webhook_inbox WHERE attempts = 1 AND processed_at IS NULL ORDER BY received_at",
+            )
+            .await;
+            let expected: Vec<String> = (19_501..19_533).map(|i| format!("evt_{i}")).collect();
+            assert_eq!(oldest, expected, "from {start}, the oldest 32 ready rows: {plan}");
+            // The rows the queue's index scans visited in the table: its dead entries and the live.
+            let heap_fetches: u64 = plan
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("Heap Fetches: "))
+                .map(|n| n.parse::<u64>().unwrap())
+                .sum();
+            visited.push(heap_fetches);
+        }
+        let [from_cursor, from_front] = visited[..] else { unreachable!() };
+        assert!(
+            from_cursor < 100 && from_front >= 19_500,
+            "under `{planner}`, the claim's scans visited {from_cursor} entries from the cursor, {from_front} from the front"
+        );
     }
     reporting.batch_execute("COMMIT").await.unwrap();
-    let [from_cursor, from_front] = visited[..] else { unreachable!() };
-    assert!(
-        from_cursor < 100 && from_front >= 19_500,
-        "the claim's scans visited {from_cursor} entries from the cursor, {from_front} from the front"
-    );
 }
 
 /// While a snapshot older than them is open, the queue table's indexes keep the dead entry of
@@ -1181,7 +1246,7 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
 #[tokio::test]
 async fn under_a_held_snapshot_a_batch_finds_its_queue_entries_by_key_not_by_reading_the_grown_index() {
     let db = TestDb::new().await;
-    let mut client = db.client().await;
+    let client = db.client().await;
     // Stored, leased and processed 64 at a time. The rows arrived hours ago (as far as the queue
     // knows): the claim's cursor below starts after them (see the test above).
     let batch = "(provider, endpoint, event_id) IN (SELECT 'stripe', 'billing', 'evt_old_' || i FROM generate_series($1::int4, $2::int4) i)";
@@ -1209,11 +1274,15 @@ async fn under_a_held_snapshot_a_batch_finds_its_queue_entries_by_key_not_by_rea
     let primary_key_pages =
         scalar(&client, "SELECT pg_relation_size('webhook_inbox_queue_pkey') / 8192").await;
 
-    let before = buffers_read(&client, "webhook_inbox_queue").await;
+    // A worker's connection: the claim is prepared on it.
+    let pool = pool(&db, 1);
+    let mut conn = pool.get().await.unwrap();
+    let before = buffers_read(&conn, "webhook_inbox_queue").await;
     // Where the next claim would start: the cursor's slack before now.
     let since = std::time::SystemTime::now() - inbox_domain::inbox::store::cursor::ClaimCursor::SLACK;
     let claim = queue::claim(
-        &client,
+        &conn,
+        Pooler::None,
         &invoices().claim_filter(),
         Some(since),
         10,
@@ -1226,10 +1295,10 @@ async fn under_a_held_snapshot_a_batch_finds_its_queue_entries_by_key_not_by_rea
     .unwrap();
     assert_eq!(claim.claimed.len(), 8, "the new batch is claimed");
     let ctids: Vec<&str> = claim.claimed.iter().map(|c| c.ctid.as_str()).collect();
-    let tx = client.transaction().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
     assert_eq!(queue::mark_processed(&tx, &ctids).await.unwrap(), 8);
     tx.commit().await.unwrap();
-    let read = buffers_read(&client, "webhook_inbox_queue").await - before;
+    let read = buffers_read(&conn, "webhook_inbox_queue").await - before;
     reporting.batch_execute("COMMIT").await.unwrap();
 
     assert_eq!(queue_disagreements(&client).await, 0);

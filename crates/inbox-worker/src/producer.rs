@@ -317,6 +317,7 @@ async fn claim(ctx: &Context, want: usize, budget: i64, since: Option<SystemTime
         let started = Instant::now();
         let rows = queue::claim(
             conn.client(),
+            ctx.limits.pooler,
             &ctx.claims,
             since,
             ctx.max_attempts,

@@ -97,6 +97,7 @@ pub async fn claim(
     let client = pool.get().await.unwrap();
     inbox_domain::inbox::store::queue::claim(
         &client,
+        inbox_domain::db::Pooler::None,
         &EVERY_TYPE,
         None,
         max_attempts,
@@ -121,6 +122,7 @@ pub async fn claim_for(
     let client = pool.get().await.unwrap();
     inbox_domain::inbox::store::queue::claim(
         &client,
+        inbox_domain::db::Pooler::None,
         &registry.claim_filter(),
         None,
         max_attempts,

@@ -58,8 +58,12 @@
 //! small stays when the queue grows: a worker started on an empty queue claimed with a bitmap scan
 //! and sort of every ready row and locked and marked with scans of the partial index, so under a
 //! backlog each batch read the whole backlog and the worker fell further behind (end-to-end p99
-//! of 5 to 12 s in the benchmark). Planning these statements once per batch costs far less than
-//! that risk. The ingest's insert keeps its prepared statement: its plan has no choice to make.
+//! of 5 to 12 s in the benchmark). Planning the lock, the mark and the rest once per batch costs
+//! far less than that risk (0.06–0.07 ms each). The claim is the exception: its planning cost as much
+//! as running it, so directly (no transaction pooler) it is prepared once per connection and runs
+//! its generic plan under settings that leave the planner one plan, the one it is written for
+//! ([`queue::CLAIM_GENERIC_PLANNER_SQL`]). The ingest's insert keeps its prepared statement: its
+//! plan has no choice to make.
 
 use std::time::Duration;
 
@@ -289,6 +293,18 @@ pub(crate) async fn query_in_own_transaction_with(
     sql: &str,
     params: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    in_own_transaction(client, timeout, setup, client.query_typed(sql, params)).await
+}
+
+/// [`query_in_own_transaction_with`] for any one statement on `client`, unnamed or prepared:
+/// `statement` is its query not yet polled (a `query` or `query_typed` future), sent after BEGIN,
+/// the limits and `setup`, in the same write.
+pub(crate) async fn in_own_transaction(
+    client: &tokio_postgres::Client,
+    timeout: Duration,
+    setup: &str,
+    statement: impl std::future::Future<Output = Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>>,
+) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
     let millis = format!("{}ms", timeout.as_millis().max(1));
     let limits: [(&(dyn ToSql + Sync), Type); 3] =
         [(&millis, Type::TEXT), (&millis, Type::TEXT), (&millis, Type::TEXT)];
@@ -299,11 +315,12 @@ pub(crate) async fn query_in_own_transaction_with(
             client.batch_execute(setup).await
         }
     };
+    // Polled in this order, each sends its messages before the next: one write.
     let (_, _, _, rows, commit) = tokio::join!(
         client.batch_execute("BEGIN"),
         client.query_typed(SET_LIMITS_SQL, &limits),
         setup,
-        client.query_typed(sql, params),
+        statement,
         client.batch_execute("COMMIT"),
     );
     // A failure of BEGIN or of the limits aborts the transaction and the statement fails too:
