@@ -242,8 +242,11 @@ async fn the_relay_keda_query_counts_the_outbox_rows_a_claim_can_take() {
     }
     assert_eq!(scalar(&client, &query).await, 2, "the two available rows of in_ready: {query}");
 
+    let pool = inbox_test_support::worker::pool(&db, 1);
+    let conn = pool.get().await.unwrap();
     let claim = inbox_domain::inbox::store::outbox::claim(
-        &client,
+        &conn,
+        inbox_domain::db::Pooler::None,
         None,
         16,
         100,

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use base64::Engine as _;
+use inbox_domain::db::Pooler;
 use inbox_test_support::db::{explain_rolled_back, hold_snapshot, scalar, timestamptz_literal};
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::process::{command, run, Proc};
@@ -476,11 +477,15 @@ async fn under_a_held_snapshot_a_relay_batch_finds_its_rows_by_id_not_by_reading
     let index_pages =
         scalar(&client, "SELECT pg_relation_size('outbox_unpublished_by_aggregate') / 8192").await;
 
-    let before = buffers_read(&client, "outbox").await;
+    // A relay's connection: the claim is prepared on it.
+    let pool = inbox_test_support::worker::pool(&db, 1);
+    let conn = pool.get().await.unwrap();
+    let before = buffers_read(&conn, "outbox").await;
     // Where the next claim would start: the cursor's slack before now.
     let since = std::time::SystemTime::now() - inbox_domain::inbox::store::cursor::ClaimCursor::SLACK;
     let claim = outbox::claim(
-        &client,
+        &conn,
+        Pooler::None,
         Some(since),
         16,
         8,
@@ -492,8 +497,8 @@ async fn under_a_held_snapshot_a_relay_batch_finds_its_rows_by_id_not_by_reading
     .unwrap();
     assert_eq!(claim.claimed.len(), 8, "the new batch is claimed");
     let fences: Vec<Fence> = claim.claimed.iter().map(Fence::from).collect();
-    let marked = outbox::mark_published(&client, &fences, Duration::from_secs(10)).await.unwrap();
-    let read = buffers_read(&client, "outbox").await - before;
+    let marked = outbox::mark_published(&conn, &fences, Duration::from_secs(10)).await.unwrap();
+    let read = buffers_read(&conn, "outbox").await - before;
     reporting.batch_execute("COMMIT").await.unwrap();
 
     assert_eq!(marked.len(), 8, "each row of the batch is marked published");
@@ -556,6 +561,61 @@ async fn the_relays_claim_reads_outbox_ready_in_order_whatever_the_statistics_sa
     );
 }
 
+/// Prepared on a relay's connection, the claim runs one generic plan, made at its first execution
+/// (on an empty outbox when the relay starts on a fresh database) and kept until an analyse or a
+/// vacuum of the outbox. Under the claim's settings that plan reads `outbox_ready` in its order and
+/// probes each candidate's aggregate in `outbox_unpublished_by_aggregate`, whatever sizes the
+/// planner saw: made on an empty outbox and run on one grown to 20k rows that nothing has analysed
+/// yet, no step of it scans the outbox otherwise, and nothing below its lock sorts.
+#[tokio::test]
+async fn the_relays_claim_generic_plan_made_on_an_empty_outbox_reads_outbox_ready_once_it_grew() {
+    use inbox_domain::inbox::store::outbox::CLAIM_SQL;
+    use inbox_domain::inbox::store::queue::CLAIM_GENERIC_PLANNER_SQL;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(&CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
+    client
+        .batch_execute(&format!("PREPARE claim(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"))
+        .await
+        .unwrap();
+    // The first claim, on the empty outbox, makes the plan.
+    let args = "(16, 32, 120.0, 33554432, NULL)";
+    client.batch_execute(&format!("BEGIN; EXECUTE claim{args}; ROLLBACK")).await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'Invoice', 'in_' || i, 'InvoicePaymentBooked', '{}' FROM generate_series(1, 20000) i",
+        )
+        .await
+        .unwrap();
+    let plan: Vec<String> =
+        inbox_test_support::db::column(&client, &format!("EXPLAIN (COSTS OFF) EXECUTE claim{args}")).await;
+    let plan = plan.join("\n");
+    assert!(plan.contains("$5"), "the cached generic plan (its arguments unknown):\n{plan}");
+    let candidates: Vec<&str> = plan
+        .lines()
+        .skip_while(|l| !l.contains("LockRows"))
+        .take_while(|l| !l.contains("CTE ranked"))
+        .collect();
+    let other_scans = plan
+        .lines()
+        .filter(|l| l.contains("Scan") && l.contains(" on outbox"))
+        .filter(|l| {
+            !l.contains("using outbox_ready")
+                && !l.contains("using outbox_unpublished_by_aggregate")
+                && !l.contains("using outbox_pkey")
+        })
+        .count();
+    assert!(
+        candidates.iter().any(|l| l.contains("Index Scan using outbox_ready"))
+            && !candidates.iter().any(|l| l.contains("Sort"))
+            && plan.contains("using outbox_unpublished_by_aggregate")
+            && other_scans == 0
+            && !plan.contains("Hash"),
+        "the candidates must come from outbox_ready in its order, each aggregate probed by its index:\n{plan}"
+    );
+}
+
 /// A snapshot held open elsewhere (a reporting query) keeps every published row's entry in
 /// `outbox_ready` where claims from the index's start step over it. 19,500 of 20,000 outbox rows
 /// are claimed and published under such a snapshot, by claims that each start where the one before
@@ -567,6 +627,7 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
 {
     use inbox_domain::inbox::store::cursor::ClaimCursor;
     use inbox_domain::inbox::store::outbox::{self, CLAIM_SQL};
+    use inbox_domain::inbox::store::queue::{CLAIM_GENERIC_PLANNER_SQL, CLAIM_PLANNER_SQL};
     let db = TestDb::new().await;
     let mut client = db.client().await;
     client
@@ -581,11 +642,14 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
     client.batch_execute("VACUUM ANALYZE outbox").await.unwrap();
     let reporting = hold_snapshot(&db, "outbox").await;
 
+    let pool = inbox_test_support::worker::pool(&db, 1);
+    let conn = pool.get().await.unwrap();
     let mut cursor = ClaimCursor::new();
     let mut resume_from = None;
     for limit in std::iter::repeat_n(1000, 19).chain([500]) {
         let claim = outbox::claim(
-            &client,
+            &conn,
+            Pooler::None,
             cursor.start(),
             16,
             limit,
@@ -611,31 +675,41 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
     let since = timestamptz_literal(&client, since).await;
     let expected: Vec<String> = (19_501..19_533).map(|i| format!("in_{i}")).collect();
 
-    client.batch_execute("SET plan_cache_mode = force_custom_plan").await.unwrap();
-    client
-        .batch_execute(&format!("PREPARE claim(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"))
-        .await
-        .unwrap();
-    let mut buffers = Vec::new();
-    for start in [since, "NULL".to_owned()] {
-        let (plan, claimed) = explain_rolled_back(
-            &mut client,
-            &format!("EXECUTE claim(16, 32, 120.0, 33554432, {start})"),
-            "SELECT aggregate_id FROM outbox WHERE attempts = 1 AND published_at IS NULL ORDER BY id",
-        )
-        .await;
-        assert_eq!(claimed, expected, "from {start}, the oldest 32 ready rows: {plan}");
-        // The buffers of the scan of outbox_ready (the next line that counts them): its index
-        // pages, and the table's pages of each entry it visits, dead or live.
-        let scan = plan.lines().skip_while(|l| !l.contains("using outbox_ready"));
-        let scan = scan.filter_map(|l| l.trim().strip_prefix("Buffers: shared hit=")).next();
-        let scan = scan.unwrap_or_else(|| panic!("a scan of outbox_ready:\n{plan}"));
-        buffers.push(scan.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse::<u64>().unwrap());
+    // The plan a relay runs directly (prepared, generic) and behind a transaction pooler (unnamed:
+    // planned for its arguments).
+    let planners = [
+        CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET"),
+        format!("SET plan_cache_mode = force_custom_plan; {}", CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")),
+    ];
+    for (n, planner) in planners.iter().enumerate() {
+        client.batch_execute(planner).await.unwrap();
+        client
+            .batch_execute(&format!(
+                "PREPARE claim{n}(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"
+            ))
+            .await
+            .unwrap();
+        let mut buffers = Vec::new();
+        for start in [since.clone(), "NULL".to_owned()] {
+            let (plan, claimed) = explain_rolled_back(
+                &mut client,
+                &format!("EXECUTE claim{n}(16, 32, 120.0, 33554432, {start})"),
+                "SELECT aggregate_id FROM outbox WHERE attempts = 1 AND published_at IS NULL ORDER BY id",
+            )
+            .await;
+            assert_eq!(claimed, expected, "from {start}, the oldest 32 ready rows: {plan}");
+            // The buffers of the scan of outbox_ready (the next line that counts them): its index
+            // pages, and the table's pages of each entry it visits, dead or live.
+            let scan = plan.lines().skip_while(|l| !l.contains("using outbox_ready"));
+            let scan = scan.filter_map(|l| l.trim().strip_prefix("Buffers: shared hit=")).next();
+            let scan = scan.unwrap_or_else(|| panic!("a scan of outbox_ready:\n{plan}"));
+            buffers.push(scan.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse::<u64>().unwrap());
+        }
+        let [from_cursor, from_start] = buffers[..] else { unreachable!() };
+        assert!(
+            from_cursor * 10 < from_start,
+            "under `{planner}`, the claim's scan of outbox_ready read {from_cursor} buffers from the cursor, {from_start} from the start"
+        );
     }
     reporting.batch_execute("COMMIT").await.unwrap();
-    let [from_cursor, from_start] = buffers[..] else { unreachable!() };
-    assert!(
-        from_cursor * 10 < from_start,
-        "the claim's scan of outbox_ready read {from_cursor} buffers from the cursor, {from_start} from the start"
-    );
 }

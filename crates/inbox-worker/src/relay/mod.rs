@@ -29,7 +29,7 @@ use clap::Args;
 use deadpool_postgres::Pool;
 use inbox_domain::config::{parse_byte_size, parse_duration};
 use inbox_domain::db::{
-    build_pool, check_reachable, describe_db_error, DatabaseConfig, OutageLog, PoolOptions,
+    build_pool, check_reachable, describe_db_error, DatabaseConfig, OutageLog, PoolOptions, Pooler,
 };
 use inbox_domain::inbox::store::outbox::{self, DeliveryFailure, Fence, OutboxClaimed};
 use tokio_util::sync::CancellationToken;
@@ -317,6 +317,8 @@ pub struct Relay {
     backoff: Backoff,
     /// Bound on each claim and mark (as the worker's `db_timeout`).
     db_timeout: Duration,
+    /// Behind a transaction pooler the claim is sent unnamed, else prepared (`outbox::claim`).
+    pooler: Pooler,
     metrics: RelayMetrics,
     shutdown: CancellationToken,
     outage: OutageLog,
@@ -416,6 +418,7 @@ where
         lease: settings.lease,
         backoff: settings.backoff,
         db_timeout,
+        pooler: settings.database.pooler,
         metrics,
         shutdown: shutdown.clone(),
         outage: OutageLog::new(settings.database.target()),
@@ -481,6 +484,7 @@ impl Work for Relay {
             let mut conn = Conn::get(&self.pool).await?;
             let claim = outbox::claim(
                 conn.client(),
+                self.pooler,
                 since,
                 self.max_attempts,
                 want as i64,

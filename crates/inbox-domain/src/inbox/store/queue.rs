@@ -265,7 +265,8 @@ WITH candidates AS (
 pub const CLAIM_PLANNER_SQL: &str =
     "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off";
 
-/// What a claim's transaction sets before the worker's claim when it is prepared (see [`claim`]):
+/// What a claim's transaction sets before the claim when it is prepared (the worker's, [`claim`],
+/// and the relay's, `outbox::claim`; see [`run_claim`]):
 /// [`CLAIM_PLANNER_SQL`], the generic plan always, and no sequential scans, hash joins or merge
 /// joins. Planned at each claim, the claim cost PostgreSQL 0.5–0.75 ms of planning, as much as
 /// running it; prepared, it is planned once per connection, and again after an analyse or a
@@ -278,8 +279,9 @@ pub const CLAIM_PLANNER_SQL: &str =
 /// its primary key — the three the queue's trigger runs without (V20), for the same reason. A
 /// generic plan of the claim was what made a worker started on an empty queue read the whole
 /// backlog at each claim (the store's "Plans"); these settings are what rule that plan out, and
-/// `the_claims_generic_plan_made_on_an_empty_queue_reads_only_the_queues_index_once_it_grew` checks
-/// it. Local to the claim's transaction, and the claim is its only statement.
+/// `the_claims_generic_plan_made_on_an_empty_queue_reads_only_the_queues_index_once_it_grew` (and
+/// the relay's `…_reads_outbox_ready_once_it_grew`) check it. Local to the claim's transaction, and
+/// the claim is its only statement.
 pub const CLAIM_GENERIC_PLANNER_SQL: &str =
     "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; \
     SET LOCAL jit = off; SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
@@ -304,10 +306,8 @@ pub struct Claim {
 /// ([`CLAIM_TYPED_SQL`]); `since` where the scans start (a [`ClaimCursor`]'s; None: the whole
 /// queue).
 ///
-/// Directly ([`Pooler::None`]) the claim is prepared once per connection and runs its generic plan
-/// under [`CLAIM_GENERIC_PLANNER_SQL`]: PostgreSQL does not plan it again at each claim. Behind a
-/// transaction pooler no statement survives its transaction: it is sent unnamed, under
-/// [`CLAIM_PLANNER_SQL`], and planned at each claim for its arguments.
+/// Prepared once per connection with a generic plan, unless behind a transaction pooler: see
+/// [`run_claim`].
 #[allow(clippy::too_many_arguments)]
 pub async fn claim(
     client: &deadpool_postgres::Object,
@@ -341,18 +341,7 @@ pub async fn claim(
         CLAIM_TYPED_SQL
     };
     // On a failed COMMIT the caller discards the connection; leases that did commit expire.
-    let rows = match pooler {
-        Pooler::None => {
-            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
-            let prepared = client.prepare_typed_cached(sql, &types).await?;
-            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(value, _)| *value).collect();
-            let statement = client.query(&prepared, &values);
-            super::in_own_transaction(client, timeout, CLAIM_GENERIC_PLANNER_SQL, statement).await?
-        }
-        Pooler::Transaction => {
-            super::query_in_own_transaction_with(client, timeout, CLAIM_PLANNER_SQL, sql, &params).await?
-        }
-    };
+    let rows = run_claim(client, pooler, timeout, sql, &params).await?;
     let mut claim = Claim::default();
     for r in &rows {
         claim.resume_from = r.get(10);
@@ -376,6 +365,32 @@ pub async fn claim(
         }
     }
     Ok(claim)
+}
+
+/// Runs a claim (`sql`: [`CLAIM_SQL`], [`CLAIM_TYPED_SQL`], the relay's `outbox::CLAIM_SQL`) in a
+/// transaction of its own under `timeout` (see `query_in_own_transaction`). Directly
+/// ([`Pooler::None`]) prepared once per connection (the pool's statement cache) and run with its
+/// generic plan under [`CLAIM_GENERIC_PLANNER_SQL`]; behind a transaction pooler, where no
+/// statement outlives its transaction, sent unnamed under [`CLAIM_PLANNER_SQL`].
+pub(super) async fn run_claim(
+    client: &deadpool_postgres::Object,
+    pooler: Pooler,
+    timeout: std::time::Duration,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<Vec<Row>, tokio_postgres::Error> {
+    match pooler {
+        Pooler::None => {
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let prepared = client.prepare_typed_cached(sql, &types).await?;
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(value, _)| *value).collect();
+            let statement = client.query(&prepared, &values);
+            super::in_own_transaction(client, timeout, CLAIM_GENERIC_PLANNER_SQL, statement).await
+        }
+        Pooler::Transaction => {
+            super::query_in_own_transaction_with(client, timeout, CLAIM_PLANNER_SQL, sql, params).await
+        }
+    }
 }
 
 /// The first string after every string that starts with `prefix`, in byte order: `prefix` with its
