@@ -627,7 +627,6 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
 {
     use inbox_domain::inbox::store::cursor::ClaimCursor;
     use inbox_domain::inbox::store::outbox::{self, CLAIM_SQL};
-    use inbox_domain::inbox::store::queue::{CLAIM_GENERIC_PLANNER_SQL, CLAIM_PLANNER_SQL};
     let db = TestDb::new().await;
     let mut client = db.client().await;
     client
@@ -675,13 +674,8 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
     let since = timestamptz_literal(&client, since).await;
     let expected: Vec<String> = (19_501..19_533).map(|i| format!("in_{i}")).collect();
 
-    // The plan a relay runs directly (prepared, generic) and behind a transaction pooler (unnamed:
-    // planned for its arguments).
-    let planners = [
-        CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET"),
-        format!("SET plan_cache_mode = force_custom_plan; {}", CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")),
-    ];
-    for (n, planner) in planners.iter().enumerate() {
+    // The plan a relay runs directly and the one behind a transaction pooler.
+    for (n, planner) in inbox_test_support::db::claim_planners().iter().enumerate() {
         client.batch_execute(planner).await.unwrap();
         client
             .batch_execute(&format!(

@@ -1143,7 +1143,7 @@ async fn a_batch_reads_its_rows_not_the_queue_when_the_queue_grew_after_the_firs
 #[tokio::test]
 async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_at_the_dead_entries() {
     use inbox_domain::inbox::store::cursor::ClaimCursor;
-    use inbox_domain::inbox::store::queue::{CLAIM_GENERIC_PLANNER_SQL, CLAIM_PLANNER_SQL, CLAIM_SQL};
+    use inbox_domain::inbox::store::queue::CLAIM_SQL;
     let db = TestDb::new().await;
     let mut client = db.client().await;
     client
@@ -1193,13 +1193,8 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
     let since = resume_from.unwrap() - ClaimCursor::SLACK;
     let since = timestamptz_literal(&client, since).await;
 
-    // The plan a worker runs directly (prepared, generic) and behind a transaction pooler
-    // (unnamed: planned for its arguments).
-    let planners = [
-        CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET"),
-        format!("SET plan_cache_mode = force_custom_plan; {}", CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")),
-    ];
-    for (n, planner) in planners.iter().enumerate() {
+    // The plan a worker runs directly and the one behind a transaction pooler.
+    for (n, planner) in inbox_test_support::db::claim_planners().iter().enumerate() {
         client.batch_execute(planner).await.unwrap();
         client
             .batch_execute(&format!(

@@ -120,6 +120,18 @@ pub async fn timestamptz_literal(client: &Client, at: std::time::SystemTime) -> 
     format!("'{text}'")
 }
 
+/// The two plans a claim runs with (`queue::run_claim`), as session settings for a test that
+/// prepares the claim itself: its generic plan under `CLAIM_GENERIC_PLANNER_SQL`, as a worker or
+/// relay runs it directly, and a plan for its arguments under `CLAIM_PLANNER_SQL`, as behind a
+/// transaction pooler (where it is sent unnamed).
+pub fn claim_planners() -> [String; 2] {
+    use inbox_domain::inbox::store::queue::{CLAIM_GENERIC_PLANNER_SQL, CLAIM_PLANNER_SQL};
+    [
+        CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET"),
+        format!("SET plan_cache_mode = force_custom_plan; {}", CLAIM_PLANNER_SQL.replace("SET LOCAL", "SET")),
+    ]
+}
+
 /// `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF)` of `statement` in a transaction that is then rolled
 /// back, with the first column of `read_back`'s rows read in it before the rollback: what a claim
 /// would take and how it would read the tables, leaving them as they were.
