@@ -199,3 +199,34 @@ async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fi
     assert!(body["error"].as_str().unwrap_or_default().contains("INBOX_DB_POOLER=transaction"), "{body}");
     drop(ingest);
 }
+
+/// The worker behind a transaction pooler without `INBOX_DB_POOLER=transaction`: its claim (and
+/// its handlers' statements) are prepared once per client connection, and the next transaction of
+/// that connection may run on a server connection that does not have them, or has another
+/// client's statement of the same name. Sixteen batches in flight over two server connections
+/// meet that at once; the worker says so at error level, with the setting that fixes it.
+#[tokio::test]
+async fn behind_a_transaction_pooler_without_the_setting_the_worker_names_the_fix() {
+    let Some(bouncer) = bouncer().await else { return };
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
+    for i in 0..200 {
+        let body = invoice_paid(&format!("evt_mis_{i}"), &format!("in_mis_{i}"), 100);
+        inbox_test_support::worker::store_event(&client, "billing", &body).await;
+    }
+
+    let mut worker = command("inbox-worker");
+    worker.env("DATABASE_URL", &via);
+    worker.args(["run", "--poll-interval", "50ms", "--batch-size", "1", "--concurrency", "16"]);
+    let worker = Proc::spawn(worker);
+    let logs = worker.wait_for_output("the database settings are wrong", Duration::from_secs(30));
+    let named = logs.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find(|l| {
+        l["level"] == "ERROR"
+            && l["error"].as_str().is_some_and(|e| {
+                e.contains("prepared statement") && e.contains("INBOX_DB_POOLER=transaction")
+            })
+    });
+    assert!(named.is_some(), "an error line naming the SQLSTATE's cause and the setting:\n{logs}");
+    drop(worker);
+}

@@ -59,9 +59,10 @@
 //! and sort of every ready row and locked and marked with scans of the partial index, so under a
 //! backlog each batch read the whole backlog and the worker fell further behind (end-to-end p99
 //! of 5 to 12 s in the benchmark). Planning the lock, the mark and the rest once per batch costs
-//! far less than that risk (0.06–0.07 ms each). The claim is the exception: its planning cost as much
-//! as running it, so directly (no transaction pooler) it is prepared once per connection and runs
-//! its generic plan under settings that leave the planner one plan, the one it is written for
+//! far less than that risk (0.06–0.07 ms each). The claims, the worker's and the relay's
+//! ([`outbox`]), are the exception: planning one cost as much as running it, so directly (no
+//! transaction pooler) each is prepared once per connection and runs its generic plan under
+//! settings that leave the planner one plan, the one it is written for
 //! ([`queue::CLAIM_GENERIC_PLANNER_SQL`]). The ingest's insert keeps its prepared statement: its
 //! plan has no choice to make.
 
