@@ -227,14 +227,11 @@ pub struct OutboxClaim {
     pub resume_from: Option<SystemTime>,
 }
 
-/// Runs [`CLAIM_SQL`] in a transaction of its own under `timeout`, with the worker's claim's
-/// planner settings (the candidates read from `outbox_ready` in its order, whatever the statistics
-/// say), its scan starting at `since` (a [`ClaimCursor`]'s; None: the whole queue). As the
-/// worker's claim (`queue::claim`): directly ([`Pooler::None`]) prepared once per connection and
-/// run with its generic plan under `queue::CLAIM_GENERIC_PLANNER_SQL`, which leaves the planner the
-/// plan above whatever sizes it sees when it makes it (planned at each claim, the claim cost
-/// 0.5–0.55 ms of planning in the relay phase of the benchmark); behind a transaction pooler sent
-/// unnamed under `queue::CLAIM_PLANNER_SQL`.
+/// Runs [`CLAIM_SQL`] in a transaction of its own under `timeout`, its scan starting at `since` (a
+/// [`ClaimCursor`]'s; None: the whole queue), as the worker's claim runs (`queue::run_claim`):
+/// with the claims' planner settings, which keep the candidates read from `outbox_ready` in its
+/// order whatever the statistics say; prepared once per connection, unless behind a transaction
+/// pooler.
 #[allow(clippy::too_many_arguments)]
 pub async fn claim(
     client: &deadpool_postgres::Object,

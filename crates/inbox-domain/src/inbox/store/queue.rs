@@ -240,6 +240,14 @@ WITH candidates AS (
     claim_after_candidates!()
 );
 
+/// The text of [`CLAIM_PLANNER_SQL`], a string literal for `concat!`
+/// ([`CLAIM_GENERIC_PLANNER_SQL`] adds to it).
+macro_rules! claim_planner {
+    () => {
+        "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off"
+    };
+}
+
 /// What a claim's transaction sets before the claim — the worker's here, the relay's
 /// (`outbox::claim`) too: no bitmap scans and no sorts, so that the planner's only plan for the
 /// candidates is the one they are written for, an ordered scan of the queue's index from the
@@ -262,11 +270,10 @@ WITH candidates AS (
 ///   still done: every plan pays the same for them.
 /// * JIT: a forbidden step's cost is added to every plan, and a plan that costly would otherwise
 ///   be compiled, which takes longer than the claim itself.
-pub const CLAIM_PLANNER_SQL: &str =
-    "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off";
+pub const CLAIM_PLANNER_SQL: &str = claim_planner!();
 
 /// What a claim's transaction sets before the claim when it is prepared (the worker's, [`claim`],
-/// and the relay's, `outbox::claim`; see [`run_claim`]):
+/// and the relay's, `outbox::claim`; see `run_claim`):
 /// [`CLAIM_PLANNER_SQL`], the generic plan always, and no sequential scans, hash joins or merge
 /// joins. Planned at each claim, the claim cost PostgreSQL 0.5–0.75 ms of planning, as much as
 /// running it; prepared, it is planned once per connection, and again after an analyse or a
@@ -282,10 +289,11 @@ pub const CLAIM_PLANNER_SQL: &str =
 /// `the_claims_generic_plan_made_on_an_empty_queue_reads_only_the_queues_index_once_it_grew` (and
 /// the relay's `…_reads_outbox_ready_once_it_grew`) check it. Local to the claim's transaction, and
 /// the claim is its only statement.
-pub const CLAIM_GENERIC_PLANNER_SQL: &str =
-    "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; \
-    SET LOCAL jit = off; SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
-    SET LOCAL enable_mergejoin = off; SET LOCAL plan_cache_mode = force_generic_plan";
+pub const CLAIM_GENERIC_PLANNER_SQL: &str = concat!(
+    claim_planner!(),
+    "; SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; \
+     SET LOCAL plan_cache_mode = force_generic_plan"
+);
 
 /// What a claim came to: the rows this worker now holds, and those it parked instead.
 #[derive(Debug, Clone, Default)]
@@ -307,7 +315,7 @@ pub struct Claim {
 /// queue).
 ///
 /// Prepared once per connection with a generic plan, unless behind a transaction pooler: see
-/// [`run_claim`].
+/// `run_claim`.
 #[allow(clippy::too_many_arguments)]
 pub async fn claim(
     client: &deadpool_postgres::Object,
