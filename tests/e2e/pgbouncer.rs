@@ -30,12 +30,17 @@ async fn bouncer() -> Option<PgBouncer> {
     bouncer
 }
 
+/// The connection string of `db` through `bouncer`.
+fn through(bouncer: &PgBouncer, db: &TestDb) -> String {
+    url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name)
+}
+
 #[tokio::test]
 async fn ingest_worker_and_operators_work_through_pgbouncer_in_transaction_mode() {
     let Some(bouncer) = bouncer().await else { return };
     let db = TestDb::new().await;
     let client = db.client().await;
-    let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
+    let via = through(&bouncer, &db);
 
     let mut ingest = command("inbox-ingest");
     ingest
@@ -141,7 +146,7 @@ async fn get(base: &str, path: &str) -> String {
 async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fix_and_turns_unready() {
     let Some(bouncer) = bouncer().await else { return };
     let db = TestDb::new().await;
-    let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
+    let via = through(&bouncer, &db);
 
     // INBOX_DB_POOLER left at its default: the insert is prepared once per client connection,
     // and the next transaction of that connection may run on another server connection.
@@ -210,7 +215,7 @@ async fn behind_a_transaction_pooler_without_the_setting_the_worker_names_the_fi
     let Some(bouncer) = bouncer().await else { return };
     let db = TestDb::new().await;
     let client = db.client().await;
-    let via = url_with_dbname(&format!("postgres://postgres@127.0.0.1:{}/postgres", bouncer.port), &db.name);
+    let via = through(&bouncer, &db);
     for i in 0..200 {
         let body = invoice_paid(&format!("evt_mis_{i}"), &format!("in_mis_{i}"), 100);
         inbox_test_support::worker::store_event(&client, "billing", &body).await;

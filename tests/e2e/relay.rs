@@ -570,17 +570,13 @@ async fn the_relays_claim_reads_outbox_ready_in_order_whatever_the_statistics_sa
 #[tokio::test]
 async fn the_relays_claim_generic_plan_made_on_an_empty_outbox_reads_outbox_ready_once_it_grew() {
     use inbox_domain::inbox::store::outbox::CLAIM_SQL;
-    use inbox_domain::inbox::store::queue::CLAIM_GENERIC_PLANNER_SQL;
+    use inbox_test_support::db::{other_scans, prepare_generic_claim};
     let db = TestDb::new().await;
     let client = db.client().await;
-    client.batch_execute(&CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
-    client
-        .batch_execute(&format!("PREPARE claim(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"))
-        .await
-        .unwrap();
     // The first claim, on the empty outbox, makes the plan.
     let args = "(16, 32, 120.0, 33554432, NULL)";
-    client.batch_execute(&format!("BEGIN; EXECUTE claim{args}; ROLLBACK")).await.unwrap();
+    prepare_generic_claim(&client, "claim", "int, bigint, float8, bigint, timestamptz", CLAIM_SQL, args)
+        .await;
     client
         .batch_execute(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -597,20 +593,13 @@ async fn the_relays_claim_generic_plan_made_on_an_empty_outbox_reads_outbox_read
         .skip_while(|l| !l.contains("LockRows"))
         .take_while(|l| !l.contains("CTE ranked"))
         .collect();
-    let other_scans = plan
-        .lines()
-        .filter(|l| l.contains("Scan") && l.contains(" on outbox"))
-        .filter(|l| {
-            !l.contains("using outbox_ready")
-                && !l.contains("using outbox_unpublished_by_aggregate")
-                && !l.contains("using outbox_pkey")
-        })
-        .count();
+    let allowed = ["using outbox_ready", "using outbox_unpublished_by_aggregate", "using outbox_pkey"];
+    let other_scans = other_scans(&plan, " on outbox", &allowed);
     assert!(
         candidates.iter().any(|l| l.contains("Index Scan using outbox_ready"))
             && !candidates.iter().any(|l| l.contains("Sort"))
             && plan.contains("using outbox_unpublished_by_aggregate")
-            && other_scans == 0
+            && other_scans.is_empty()
             && !plan.contains("Hash"),
         "the candidates must come from outbox_ready in its order, each aggregate probed by its index:\n{plan}"
     );
@@ -676,13 +665,8 @@ async fn a_relay_claim_under_a_held_snapshot_starts_where_the_last_claim_left_of
 
     // The plan a relay runs directly and the one behind a transaction pooler.
     for (n, planner) in inbox_test_support::db::claim_planners().iter().enumerate() {
-        client.batch_execute(planner).await.unwrap();
-        client
-            .batch_execute(&format!(
-                "PREPARE claim{n}(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"
-            ))
-            .await
-            .unwrap();
+        let types = "int, bigint, float8, bigint, timestamptz";
+        inbox_test_support::db::prepare_claim(&client, planner, &format!("claim{n}"), types, CLAIM_SQL).await;
         let mut buffers = Vec::new();
         for start in [since.clone(), "NULL".to_owned()] {
             let (plan, claimed) = explain_rolled_back(

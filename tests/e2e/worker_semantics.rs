@@ -10,8 +10,8 @@ use inbox_domain::handler::{HandlerFuture, Registry};
 use inbox_domain::inbox::event::InboxEvent;
 use inbox_domain::inbox::store::queue::{self, Failure};
 use inbox_test_support::db::{
-    buffers_read, column, explain_rolled_back, hold_snapshot, in_batches_of_64, scalar, slow_writes,
-    timestamptz_literal,
+    buffers_read, column, explain_rolled_back, hold_snapshot, in_batches_of_64, other_scans, scalar,
+    slow_writes, timestamptz_literal,
 };
 use inbox_test_support::events::{invoice_event, invoice_paid};
 use inbox_test_support::worker::{claim, claim_for, eventually, execute, pool, store_event, test_limits};
@@ -1015,17 +1015,12 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
         client.batch_execute(&planner).await.unwrap();
         let plan: Vec<String> = column(&client, &format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}")).await;
         let plan = plan.join("\n");
-        let other_scans = plan
-            .lines()
-            .filter(|l| l.contains("Scan") && l.contains(" on webhook_inbox"))
-            // A probe of the primary key per candidate (the claim finds each queued row's
-            // inbox row by its key) reads as many rows as the index scan feeding it.
-            .filter(|l| {
-                !l.contains(access) && !l.contains("Tid Scan") && !l.contains("using webhook_inbox_pkey")
-            })
-            .count();
+        // A probe of the primary key per candidate (the claim finds each queued row's inbox row
+        // by its key) reads as many rows as the index scan feeding it.
+        let other_scans =
+            other_scans(&plan, " on webhook_inbox", &[access, "Tid Scan", "using webhook_inbox_pkey"]);
         assert!(
-            plan.contains(access) && other_scans == 0 && !plan.contains("Hash"),
+            plan.contains(access) && other_scans.is_empty() && !plan.contains("Hash"),
             "{name} must find its rows by {access}, not scan the queue:\n{plan}"
         );
     }
@@ -1039,7 +1034,8 @@ async fn the_queue_statements_planned_for_their_arguments_do_not_scan_a_grown_qu
 /// inbox, for the claim of every type and the claim of some types.
 #[tokio::test]
 async fn the_claims_generic_plan_made_on_an_empty_queue_reads_only_the_queues_index_once_it_grew() {
-    use inbox_domain::inbox::store::queue::{CLAIM_GENERIC_PLANNER_SQL, CLAIM_SQL, CLAIM_TYPED_SQL};
+    use inbox_domain::inbox::store::queue::{CLAIM_SQL, CLAIM_TYPED_SQL};
+    use inbox_test_support::db::prepare_generic_claim;
     let db = TestDb::new().await;
     let client = db.client().await;
     let claims = [
@@ -1051,28 +1047,22 @@ async fn the_claims_generic_plan_made_on_an_empty_queue_reads_only_the_queues_in
             "(10, 32, 30.0, 33554432, NULL, '{invoice.paid}', '{customer.}', '{customer/}')",
         ),
     ];
-    client.batch_execute(&CLAIM_GENERIC_PLANNER_SQL.replace("SET LOCAL", "SET")).await.unwrap();
     for (name, sql, types, args) in claims {
-        client.batch_execute(&format!("PREPARE {name}({types}) AS {sql}")).await.unwrap();
         // The first claim, on the empty queue, makes the plan.
-        client.batch_execute(&format!("BEGIN; EXECUTE {name}{args}; ROLLBACK")).await.unwrap();
+        prepare_generic_claim(&client, name, types, sql, args).await;
     }
     queue_rows(&client, 20_000, "invoice.paid").await;
     for (name, _, _, args) in claims {
         let plan: Vec<String> = column(&client, &format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}")).await;
         let plan = plan.join("\n");
         assert!(plan.contains("$5"), "{name}: the cached generic plan (its arguments unknown):\n{plan}");
-        let other_scans = plan
-            .lines()
-            .filter(|l| l.contains("Scan") && l.contains(" on webhook_inbox"))
-            .filter(|l| {
-                !l.contains("using webhook_inbox_queue_by_type")
-                    && !l.contains("Tid Scan")
-                    && !l.contains("using webhook_inbox_pkey on webhook_inbox w")
-            })
-            .count();
+        let allowed =
+            ["using webhook_inbox_queue_by_type", "Tid Scan", "using webhook_inbox_pkey on webhook_inbox w"];
+        let other_scans = other_scans(&plan, " on webhook_inbox", &allowed);
         assert!(
-            plan.contains("using webhook_inbox_queue_by_type") && other_scans == 0 && !plan.contains("Hash"),
+            plan.contains("using webhook_inbox_queue_by_type")
+                && other_scans.is_empty()
+                && !plan.contains("Hash"),
             "{name} must read the queue's index in order and probe the inbox by key:\n{plan}"
         );
     }
@@ -1195,13 +1185,8 @@ async fn a_claim_under_a_held_snapshot_starts_where_the_last_claim_left_off_not_
 
     // The plan a worker runs directly and the one behind a transaction pooler.
     for (n, planner) in inbox_test_support::db::claim_planners().iter().enumerate() {
-        client.batch_execute(planner).await.unwrap();
-        client
-            .batch_execute(&format!(
-                "PREPARE claim{n}(int, bigint, float8, bigint, timestamptz) AS {CLAIM_SQL}"
-            ))
-            .await
-            .unwrap();
+        let types = "int, bigint, float8, bigint, timestamptz";
+        inbox_test_support::db::prepare_claim(&client, planner, &format!("claim{n}"), types, CLAIM_SQL).await;
         let mut visited = Vec::new();
         for start in [since.clone(), "NULL".to_owned()] {
             let (plan, oldest) = explain_rolled_back(

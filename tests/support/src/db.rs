@@ -132,6 +132,31 @@ pub fn claim_planners() -> [String; 2] {
     ]
 }
 
+/// Sets `planner` (one of [`claim_planners`]) on the session, left set, and prepares the claim
+/// `sql` as `name` with the parameter types `types`.
+pub async fn prepare_claim(client: &Client, planner: &str, name: &str, types: &str, sql: &str) {
+    client.batch_execute(planner).await.unwrap();
+    client.batch_execute(&format!("PREPARE {name}({types}) AS {sql}")).await.unwrap();
+}
+
+/// [`prepare_claim`] under the generic plan's settings, then one run with `args` in a transaction
+/// rolled back: the generic plan is made then, on the tables as they are, and cached.
+pub async fn prepare_generic_claim(client: &Client, name: &str, types: &str, sql: &str, args: &str) {
+    let [generic, _] = claim_planners();
+    prepare_claim(client, &generic, name, types, sql).await;
+    client.batch_execute(&format!("BEGIN; EXECUTE {name}{args}; ROLLBACK")).await.unwrap();
+}
+
+/// The lines of `plan` (EXPLAIN's text) that scan a relation whose name starts with `on` (e.g.
+/// `" on outbox"`) by an access none of `allowed` names: what a plan reads beyond the paths
+/// written for it.
+pub fn other_scans<'p>(plan: &'p str, on: &str, allowed: &[&str]) -> Vec<&'p str> {
+    plan.lines()
+        .filter(|l| l.contains("Scan") && l.contains(on))
+        .filter(|l| !allowed.iter().any(|a| l.contains(a)))
+        .collect()
+}
+
 /// `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF)` of `statement` in a transaction that is then rolled
 /// back, with the first column of `read_back`'s rows read in it before the rollback: what a claim
 /// would take and how it would read the tables, leaving them as they were.
