@@ -11,8 +11,9 @@ use crate::services::{check_alive, stop};
 use crate::util::{rss_kib, CpuSample};
 use crate::Ctx;
 
-/// What to drain: `queued` rows, optionally behind `history` processed rows; how: `processes`
-/// workers, each with `--concurrency` / `--batch-size` when given, else the worker's defaults.
+/// What to drain: `queued` rows, in a database holding `history` processed rows (seeded by the
+/// caller: the scale phase); how: `processes` workers, each with `--concurrency` /
+/// `--batch-size` when given, else the worker's defaults.
 pub struct Plan<'a> {
     pub label: &'a str,
     pub db_suffix: String,
@@ -21,30 +22,36 @@ pub struct Plan<'a> {
     pub batch_size: Option<usize>,
     pub queued: u64,
     pub history: u64,
+    /// Count the table's tuples with `pgstattuple` after the drain: a read of the whole table,
+    /// seconds with a million rows, so the scale phase's rounds do it once.
+    pub pgstattuple: bool,
 }
 
+/// Drains `plan.queued` rows in a fresh database of their own.
 pub async fn run(ctx: &Ctx, plan: &Plan<'_>) -> anyhow::Result<serde_json::Value> {
     let db = ctx.server.create_db(&plan.db_suffix).await?;
-    let result = drain(ctx, plan, &db).await;
+    let result = match ctx.migrate(&db.url).await {
+        Ok(()) => drain(ctx, plan, &db, "q_").await,
+        Err(e) => Err(e),
+    };
     ctx.server.drop_db(&db).await;
     result
 }
 
-async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<serde_json::Value> {
+/// Queues `plan.queued` rows tagged `tag` (their ids `evt_<tag>…`) in `db`, migrated, and drains
+/// them: the figures of this drain alone (counts are differences, so `db` may hold earlier rows).
+pub async fn drain(
+    ctx: &Ctx,
+    plan: &Plan<'_>,
+    db: &pg::BenchDb,
+    tag: &str,
+) -> anyhow::Result<serde_json::Value> {
     let label = plan.label;
-    ctx.migrate(&db.url).await?;
     let mut client = pg::connect(&db.url).await?;
+    let counts0 = counts(&client, tag).await?;
     let seed_start = Instant::now();
-    if plan.history > 0 {
-        ctx.say(&format!("{label}: inserting {} processed rows (~500 B payloads)", plan.history));
-        let small = crate::payload::small_template();
-        pg::seed_processed(&client, &small, "h_", plan.history, |done| {
-            ctx.say(&format!("{label}:   {done} / {} processed rows", plan.history));
-        })
-        .await?;
-    }
     ctx.say(&format!("{label}: queueing {} invoice.paid rows (~2 KB payloads)", plan.queued));
-    pg::seed_queued(&client, &ctx.template, "q_", plan.queued).await?;
+    pg::seed_queued(&client, &ctx.template, tag, plan.queued).await?;
     client.batch_execute("VACUUM ANALYZE webhook_inbox").await?;
     let _ = client.batch_execute("CHECKPOINT").await;
     let seed_seconds = seed_start.elapsed().as_secs_f64();
@@ -102,27 +109,21 @@ async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<s
     let commits = snap1.commits - snap0.commits - own;
     let n = plan.queued as f64;
     let wal_bytes = snap1.lsn - snap0.lsn;
-    let checks = simple_rows(
-        &client,
-        "SELECT (SELECT count(*) FROM ledger_entries),
-                (SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL),
-                (SELECT count(*) FROM webhook_inbox WHERE attempts > 1 AND left(event_id, 6) = 'evt_q_'),
-                (SELECT count(*) FROM webhook_inbox WHERE last_error IS NOT NULL),
-                (SELECT count(*) FROM outbox)",
-    )
-    .await?;
-    let num = |i: usize| checks[0][i].parse::<i64>().unwrap_or(-1);
-    let (ledger, unprocessed, retried, with_error, outbox) = (num(0), num(1), num(2), num(3), num(4));
+    let counts1 = counts(&client, tag).await?;
+    let delta = |i: usize| counts1[i] - counts0[i];
+    let (ledger, unprocessed, retried, with_error, outbox) =
+        (delta(0), counts1[1], counts1[2], delta(3), delta(4));
     let table_after = pg::table_stats(&client).await?;
-    let tuples_after = pg::tuple_stats(&client).await;
+    let tuples_after = if plan.pgstattuple { pg::tuple_stats(&client).await } else { json!(null) };
     let explain_after = pg::explain_claim(&mut client).await;
     let events_per_s = n / seconds;
     let cpu = cpu0.usage(&cpu1, Some(n));
     ctx.say(&format!(
         "{label}: {events_per_s:.0} events/s in {seconds:.1} s, {:.2} commits/event, {:.0} WAL bytes/event, \
-         ledger {ledger}, dead/live {}/{} ({})",
+         {:.2} blocks read/event, ledger {ledger}, dead/live {}/{} ({})",
         commits as f64 / n,
         wal_bytes as f64 / n,
+        (snap1.blks_read - snap0.blks_read) as f64 / n,
         table_after["n_dead_tup"],
         table_after["n_live_tup"],
         crate::util::cpu_summary(&cpu)
@@ -158,6 +159,9 @@ async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<s
         "wal_bytes": wal_bytes,
         "wal_bytes_per_event": wal_bytes as f64 / n,
         "pg_stat_wal": wal,
+        // Our own statements between the snapshots read a handful of blocks; the drain, thousands.
+        "blocks_read_per_event": (snap1.blks_read - snap0.blks_read) as f64 / n,
+        "blocks_hit_per_event": (snap1.blks_hit - snap0.blks_hit) as f64 / n,
         "ledger_rows": ledger,
         "ledger_matches": ledger == plan.queued as i64,
         "outbox_rows": outbox,
@@ -175,4 +179,20 @@ async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Result<s
         "explain_claim_before": explain_before,
         "explain_claim_after": explain_after,
     }))
+}
+
+/// Ledger rows, unprocessed rows, rows of `tag` claimed more than once, rows with an error, outbox
+/// rows.
+async fn counts(client: &tokio_postgres::Client, tag: &str) -> anyhow::Result<[i64; 5]> {
+    let sql = format!(
+        "SELECT (SELECT count(*) FROM ledger_entries),
+                (SELECT count(*) FROM webhook_inbox WHERE processed_at IS NULL),
+                (SELECT count(*) FROM webhook_inbox WHERE attempts > 1 AND left(event_id, {n}) = 'evt_{tag}'),
+                (SELECT count(*) FROM webhook_inbox WHERE last_error IS NOT NULL),
+                (SELECT count(*) FROM outbox)",
+        n = 4 + tag.len()
+    );
+    let rows = simple_rows(client, &sql).await?;
+    let num = |i: usize| rows[0][i].parse::<i64>().unwrap_or(-1);
+    Ok([num(0), num(1), num(2), num(3), num(4)])
 }

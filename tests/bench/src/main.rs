@@ -20,7 +20,8 @@
 //!          tuning flags: events/s, MiB/s, and the worker's peak RSS (VmHWM at the end, or the
 //!          highest of the samples taken during the drain) against the worker pod's 256 MiB
 //!          memory limit;
-//!   scale  the drain again with `--scale-rows` processed rows in the table; claim EXPLAINs;
+//!   scale  the one-process drain of (c) in a table with `--scale-rows` processed rows and in an
+//!          empty one, alternated for `--scale-rounds` rounds: the ratio of the rates; claim EXPLAINs;
 //!   soak   not in the default list (`make soak`: `--phases b,soak`): 1 ingest, 1 worker and 1
 //!          relay (to an HTTP receiver), worker and relay with no tuning flags, fed open loop at
 //!          `--soak-rate` (default: half of (b)'s 32-connection rate) for `--soak-duration`, with
@@ -54,6 +55,7 @@ mod pg;
 mod pgbench;
 mod relay;
 mod report;
+mod scale;
 mod services;
 mod soak;
 mod svg;
@@ -139,6 +141,11 @@ pub struct Args {
     /// drains slower with or without the processed rows].
     #[arg(long)]
     scale_queued: Option<u64>,
+    /// Rounds of the scale phase, each a drain with the processed rows and one without, in
+    /// alternating order; the ratio is the rate over all of them. A drain of 50k rows lasts ~4 s,
+    /// and on a shared VM single drains differ by ±15 %: four rounds (~2 minutes) narrow that.
+    #[arg(long, default_value_t = 4)]
+    scale_rounds: usize,
     /// Parked rows in the console phase's needs-review list.
     #[arg(long, default_value_t = 10_000)]
     console_parked: u64,
@@ -352,6 +359,7 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
                 batch_size: ctx.args.worker_batch_size,
                 queued: ctx.args.drain_rows,
                 history: 0,
+                pgstattuple: true,
             };
             match drain::run(ctx, &plan).await {
                 Ok(v) => {
@@ -369,6 +377,7 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
             batch_size: None,
             queued: ctx.args.drain_rows,
             history: 0,
+            pgstattuple: true,
         };
         match drain::run(ctx, &plan).await {
             Ok(v) => {
@@ -423,16 +432,7 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
     }
 
     if want(Phase::Scale) {
-        let plan = drain::Plan {
-            label: "scale",
-            db_suffix: "scale".into(),
-            processes: 1,
-            concurrency: Some(ctx.args.worker_concurrency),
-            batch_size: ctx.args.worker_batch_size,
-            queued: ctx.args.scale_queued.unwrap_or(ctx.args.drain_rows),
-            history: ctx.args.scale_rows,
-        };
-        match drain::run(ctx, &plan).await {
+        match scale::run(ctx).await {
             Ok(v) => {
                 out.insert("scale".into(), v);
             }
@@ -530,6 +530,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "mem_event_bytes": mem::EVENT_BYTES,
         "scale_rows": a.scale_rows,
         "scale_queued": a.scale_queued.unwrap_or(a.drain_rows),
+        "scale_rounds": a.scale_rounds,
         "console_parked": a.console_parked,
         "console_history": a.console_history,
         "console_requests": a.console_requests,

@@ -124,6 +124,21 @@ impl Server {
         Ok(BenchDb { url: url_with_dbname(&self.admin_url, &name), name })
     }
 
+    /// Creates `inbox_bench_<pid>_<suffix>` as a copy of `template` (no session may be connected
+    /// to it), file by file: the copy's pages are on disk and in the OS's cache, none in
+    /// shared_buffers (PostgreSQL 15 would otherwise write the copy through its WAL and buffers).
+    pub async fn create_db_from(&self, suffix: &str, template: &BenchDb) -> anyhow::Result<BenchDb> {
+        let name = format!("{PREFIX}{}_{suffix}", std::process::id());
+        self.admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await?;
+        let strategy = if self.version_num >= 150000 { " STRATEGY FILE_COPY" } else { "" };
+        self.admin
+            .batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {}{strategy}", template.name))
+            .await
+            .with_context(|| format!("creating {name} from {}", template.name))?;
+        self.created.lock().unwrap().push(name.clone());
+        Ok(BenchDb { url: url_with_dbname(&self.admin_url, &name), name })
+    }
+
     pub async fn drop_db(&self, db: &BenchDb) {
         if let Err(e) =
             self.admin.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", db.name)).await
@@ -214,7 +229,7 @@ impl Server {
             client,
             &format!(
                 "SELECT xact_commit, xact_rollback, pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint,
-                        {next_xid}
+                        {next_xid}, blks_read, blks_hit
                    FROM pg_stat_database WHERE datname = current_database(); {wal}"
             ),
         )
@@ -231,6 +246,8 @@ impl Server {
             rollbacks: num(0, 1)?,
             lsn: num(0, 2)?,
             next_xid: num(0, 3)?,
+            blks_read: num(0, 4)?,
+            blks_hit: num(0, 5)?,
             wal: None,
         };
         if self.stat_wal {
@@ -265,6 +282,10 @@ pub struct StatSnap {
     pub lsn: i64,
     /// Next transaction id (cluster-wide): the difference counts transactions that wrote.
     pub next_xid: i64,
+    /// Blocks the database's backends read into shared buffers (from the OS: its page cache or
+    /// the disk) and found there: how much of a phase's work fit in shared_buffers.
+    pub blks_read: i64,
+    pub blks_hit: i64,
     /// pg_stat_wal: records, full-page images, bytes (cluster-wide).
     pub wal: Option<(i64, i64, i64)>,
 }
@@ -274,10 +295,17 @@ pub struct StatSnap {
 /// `payload_bytes` is the length in bytes of its body as sent (the text before the `jsonb` cast);
 /// so for [`seed_processed`].
 pub async fn seed_queued(client: &Client, template: &str, tag: &str, rows: u64) -> anyhow::Result<()> {
-    seed(client, template, tag, rows, false).await
+    seed(client, template, tag, rows).await
 }
 
-/// Rows already processed a while ago (history), `rows` of them.
+/// Rows already processed a while ago (history), `rows` of them, received 10 days ago one
+/// millisecond apart.
+///
+/// Written with `COPY`, which goes through a small ring of shared buffers (16 MB) instead of the
+/// whole pool, as a restore does: `INSERT … SELECT` would leave a million rows' pages filling
+/// shared_buffers for whatever runs next, which rows processed days ago do not do in a running
+/// system. (The scale phase then drains in file copies of the database, whose pages are in no
+/// buffer at all.)
 pub async fn seed_processed(
     client: &Client,
     template: &str,
@@ -285,55 +313,88 @@ pub async fn seed_processed(
     rows: u64,
     progress: impl Fn(u64),
 ) -> anyhow::Result<()> {
+    use tokio_postgres::binary_copy::BinaryCopyInWriter;
+    use tokio_postgres::types::Type;
+
     let chunk = 100_000;
+    let start = std::time::SystemTime::now() - Duration::from_secs(10 * 24 * 3600);
     let mut done = 0;
     while done < rows {
         let n = chunk.min(rows - done);
-        seed_range(client, template, tag, done, n, true).await?;
+        let sink = client
+            .copy_in(
+                "COPY webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes,
+                                     received_at, available_at, attempts, processed_at)
+                 FROM STDIN (FORMAT binary)",
+            )
+            .await
+            .context("seeding webhook_inbox: COPY")?;
+        let types = [
+            Type::TEXT,
+            Type::TEXT,
+            Type::TEXT,
+            Type::TEXT,
+            Type::JSONB,
+            Type::INT4,
+            Type::TIMESTAMPTZ,
+            Type::TIMESTAMPTZ,
+            Type::INT4,
+            Type::TIMESTAMPTZ,
+        ];
+        let writer = BinaryCopyInWriter::new(sink, &types);
+        let mut writer = std::pin::pin!(writer);
+        for i in done..done + n {
+            let event_id = crate::payload::event_id(tag, i as usize);
+            let body = template
+                .replace(crate::payload::EVT, &event_id)
+                .replace(crate::payload::INV, &crate::payload::invoice_id(tag, i as usize));
+            let payload: serde_json::Value = serde_json::from_str(&body).context("the history template")?;
+            let received = start + Duration::from_millis(i);
+            let processed = received + Duration::from_millis(50);
+            writer
+                .as_mut()
+                .write(&[
+                    &"stripe",
+                    &"billing",
+                    &event_id,
+                    &"invoice.paid",
+                    &payload,
+                    &(body.len() as i32),
+                    &received,
+                    &received,
+                    &1i32,
+                    &processed,
+                ])
+                .await
+                .context("seeding webhook_inbox: a COPY row")?;
+        }
+        writer.finish().await.context("seeding webhook_inbox: COPY")?;
         done += n;
         progress(done);
     }
     Ok(())
 }
 
-async fn seed(client: &Client, template: &str, tag: &str, rows: u64, processed: bool) -> anyhow::Result<()> {
+async fn seed(client: &Client, template: &str, tag: &str, rows: u64) -> anyhow::Result<()> {
     let chunk = 50_000;
     let mut done = 0;
     while done < rows {
         let n = chunk.min(rows - done);
-        seed_range(client, template, tag, done, n, processed).await?;
+        seed_range(client, template, tag, done, n).await?;
         done += n;
     }
     Ok(())
 }
 
-async fn seed_range(
-    client: &Client,
-    template: &str,
-    tag: &str,
-    from: u64,
-    n: u64,
-    processed: bool,
-) -> anyhow::Result<()> {
-    let (extra_cols, extra_vals) = if processed {
-        (
-            ", received_at, available_at, attempts, processed_at",
-            ", now() - interval '10 days' + i * interval '1 ms', now() - interval '10 days' + i * interval '1 ms', 1, \
-             now() - interval '10 days' + i * interval '1 ms' + interval '50 ms'",
-        )
-    } else {
-        ("", "")
-    };
-    let sql = format!(
-        "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes{extra_cols})
-         SELECT 'stripe', 'billing', e, 'invoice.paid', body::jsonb, octet_length(body){extra_vals}
+async fn seed_range(client: &Client, template: &str, tag: &str, from: u64, n: u64) -> anyhow::Result<()> {
+    let sql = "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, payload_bytes)
+         SELECT 'stripe', 'billing', e, 'invoice.paid', body::jsonb, octet_length(body)
            FROM generate_series($3::bigint, $4::bigint) AS i,
                 LATERAL (SELECT 'evt_' || $2::text || lpad(i::text, 10, '0') AS e) AS ids,
                 LATERAL (SELECT replace(replace($1::text, '@EVT@', e), '@INV@',
-                                        'in_' || $2::text || lpad(i::text, 10, '0')) AS body) AS b"
-    );
+                                        'in_' || $2::text || lpad(i::text, 10, '0')) AS body) AS b";
     let (first, last) = (from as i64, (from + n) as i64 - 1);
-    client.execute(&sql, &[&template, &tag, &first, &last]).await.context("seeding webhook_inbox")?;
+    client.execute(sql, &[&template, &tag, &first, &last]).await.context("seeding webhook_inbox")?;
     Ok(())
 }
 

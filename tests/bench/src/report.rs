@@ -380,10 +380,22 @@ impl Table {
                 format!("3  scale: {} processed + {} queued, 1 proc", s["history_rows"], s["queued_rows"]),
                 format!("{eps:.0} events/s"),
             );
-            if let Some(base) = get("drain")["1"]["events_per_s"].as_f64() {
-                row.ratio = Some((eps / base, "c1".into()));
+            if let Some(ratio) = s["ratio_to_empty_table"].as_f64() {
+                row.ratio = Some((ratio, "empty table".into()));
                 row.target = "≥ 0.95".into();
-                row.ok = Some(eps / base >= 0.95);
+                row.ok = Some(ratio >= 0.95);
+            }
+            if let Some(rounds) = s["rounds"].as_array() {
+                let text = rounds
+                    .iter()
+                    .map(|r| {
+                        let ratio = r["ratio"].as_f64().unwrap_or(f64::NAN);
+                        let first = if r["history_first"] == true { "h" } else { "e" };
+                        format!("{ratio:.2} {first}")
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                t.add("     each round: history / empty table (h, e: which drained first)", text);
             }
             drain_rows(&mut t, s);
         }
