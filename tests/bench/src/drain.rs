@@ -58,9 +58,13 @@ pub async fn drain(
     let table_before = pg::table_stats(&client).await?;
     let explain_before = pg::explain_claim(&mut client).await;
 
+    // Autovacuum's reads and CPU count in the drain's figures when it runs meanwhile: say when
+    // (from the server's own database, so that the samples are not transactions of this one).
+    let sampler = pg::connect(&ctx.server.admin_url).await?;
     ctx.server.flush_stats(&client).await;
     let snap0 = ctx.server.snapshot(&client).await?;
     let started = Instant::now();
+    let autovacuum = pg::AutovacuumSampler::start(sampler, db.name.clone(), started);
     let poll = ctx.args.worker_poll_interval.clone();
     let mut workers: Vec<_> = (0..plan.processes)
         .map(|_| {
@@ -94,6 +98,7 @@ pub async fn drain(
         })
         .await?;
     let seconds = drained_at.duration_since(started).as_secs_f64();
+    let autovacuum = autovacuum.finish().await;
     let cpu1 = CpuSample::take(ctx.server.postmaster, &pids);
     let rss: Vec<Option<(u64, u64)>> = workers.iter().map(|w| rss_kib(w.child.id())).collect();
     for w in workers.iter_mut() {
@@ -120,13 +125,14 @@ pub async fn drain(
     let cpu = cpu0.usage(&cpu1, Some(n));
     ctx.say(&format!(
         "{label}: {events_per_s:.0} events/s in {seconds:.1} s, {:.2} commits/event, {:.0} WAL bytes/event, \
-         {:.2} blocks read/event, ledger {ledger}, dead/live {}/{} ({})",
+         {:.2} blocks read/event, ledger {ledger}, dead/live {}/{} ({}); autovacuum meanwhile: {}",
         commits as f64 / n,
         wal_bytes as f64 / n,
         (snap1.blks_read - snap0.blks_read) as f64 / n,
         table_after["n_dead_tup"],
         table_after["n_live_tup"],
-        crate::util::cpu_summary(&cpu)
+        crate::util::cpu_summary(&cpu),
+        pg::AutovacuumRun::describe(&autovacuum)
     ));
     ensure!(unprocessed == 0, "{unprocessed} rows unprocessed after the drain");
     let wal = match (snap0.wal, snap1.wal) {
@@ -162,6 +168,7 @@ pub async fn drain(
         // Our own statements between the snapshots read a handful of blocks; the drain, thousands.
         "blocks_read_per_event": (snap1.blks_read - snap0.blks_read) as f64 / n,
         "blocks_hit_per_event": (snap1.blks_hit - snap0.blks_hit) as f64 / n,
+        "autovacuum_in_window": autovacuum.iter().map(pg::AutovacuumRun::json).collect::<Vec<_>>(),
         "ledger_rows": ledger,
         "ledger_matches": ledger == plan.queued as i64,
         "outbox_rows": outbox,

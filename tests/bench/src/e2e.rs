@@ -53,7 +53,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let procs = [("ingest", ingest.child.id()), ("worker", worker.child.id())];
         let cpu0 = CpuSample::take(ctx.server.postmaster, &procs);
         let t0 = Instant::now();
-        let autovacuum = pg::AutovacuumSampler::start(sampler, t0);
+        let autovacuum = pg::AutovacuumSampler::start(sampler, db.name.clone(), t0);
         let load = http::open_loop(c, measured, t0, rate, ctx.args.duration).await;
         let cpu1 = CpuSample::take(ctx.server.postmaster, &procs);
         let autovacuum = autovacuum.finish().await;

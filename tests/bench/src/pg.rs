@@ -612,9 +612,10 @@ impl AutovacuumSampler {
     /// ten cheap queries a second on a connection of its own.
     const EVERY: Duration = Duration::from_millis(100);
 
-    /// Samples the database of `client` (a connection of its own, opened before the window: a
-    /// new backend is itself a disturbance) from `t0` until [`AutovacuumSampler::finish`].
-    pub fn start(client: Client, t0: std::time::Instant) -> AutovacuumSampler {
+    /// Samples database `datname` from `t0` until [`AutovacuumSampler::finish`], on `client`: a
+    /// connection of its own, opened before the window (a new backend is itself a disturbance),
+    /// to another database when its own transactions must not count in `datname`'s.
+    pub fn start(client: Client, datname: String, t0: std::time::Instant) -> AutovacuumSampler {
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let mut runs: Vec<AutovacuumRun> = Vec::new();
@@ -628,9 +629,9 @@ impl AutovacuumSampler {
                 let Ok(rows) = client
                     .query(
                         "SELECT replace(regexp_replace(query, '^autovacuum: ', ''), 'public.', '') FROM pg_stat_activity
-                          WHERE backend_type = 'autovacuum worker' AND datname = current_database()
+                          WHERE backend_type = 'autovacuum worker' AND datname = $1
                             AND query <> ''",
-                        &[],
+                        &[&datname],
                     )
                     .await
                 else {

@@ -391,7 +391,14 @@ impl Table {
                     .map(|r| {
                         let ratio = r["ratio"].as_f64().unwrap_or(f64::NAN);
                         let first = if r["history_first"] == true { "h" } else { "e" };
-                        format!("{ratio:.2} {first}")
+                        let av = |k: &str| r[k].as_u64().unwrap_or(0) > 0;
+                        let marks = match (av("autovacuum_runs_history"), av("autovacuum_runs_empty_table")) {
+                            (false, false) => "",
+                            (true, false) => " (autovacuum: h)",
+                            (false, true) => " (autovacuum: e)",
+                            (true, true) => " (autovacuum: h, e)",
+                        };
+                        format!("{ratio:.2} {first}{marks}")
                     })
                     .collect::<Vec<_>>()
                     .join(", ");

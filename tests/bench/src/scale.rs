@@ -64,6 +64,7 @@ async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json:
         let last = round + 1 == rounds;
         let history_first = round % 2 == 0;
         let mut rates = [0.0; 2];
+        let mut autovacuum = [0; 2];
         for history in [history_first, !history_first] {
             let v = if history {
                 let db = ctx.server.create_db_from("scale", template).await?;
@@ -81,6 +82,7 @@ async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json:
             };
             let seconds = v["seconds"].as_f64().unwrap_or(f64::NAN);
             rates[usize::from(history)] = v["events_per_s"].as_f64().unwrap_or(f64::NAN);
+            autovacuum[usize::from(history)] = v["autovacuum_in_window"].as_array().map_or(0, Vec::len);
             if history {
                 history_seconds += seconds;
                 last_history = Some(v);
@@ -94,6 +96,8 @@ async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json:
             "empty_table_events_per_s": rates[0],
             "history_events_per_s": rates[1],
             "ratio": rates[1] / rates[0],
+            "autovacuum_runs_empty_table": autovacuum[0],
+            "autovacuum_runs_history": autovacuum[1],
         }));
     }
     let drained = (per_round.len() as u64 * queued) as f64;
