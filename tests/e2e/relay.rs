@@ -497,7 +497,7 @@ async fn under_a_held_snapshot_a_relay_batch_finds_its_rows_by_id_not_by_reading
     .unwrap();
     assert_eq!(claim.claimed.len(), 8, "the new batch is claimed");
     let fences: Vec<Fence> = claim.claimed.iter().map(Fence::from).collect();
-    let marked = outbox::mark_published(&conn, &fences, Duration::from_secs(10)).await.unwrap();
+    let marked = outbox::mark_published(&conn, Pooler::None, &fences, Duration::from_secs(10)).await.unwrap();
     let read = buffers_read(&conn, "outbox").await - before;
     reporting.batch_execute("COMMIT").await.unwrap();
 
@@ -602,6 +602,47 @@ async fn the_relays_claim_generic_plan_made_on_an_empty_outbox_reads_outbox_read
             && other_scans.is_empty()
             && !plan.contains("Hash"),
         "the candidates must come from outbox_ready in its order, each aggregate probed by its index:\n{plan}"
+    );
+}
+
+/// The published mark is prepared like the claim (`outbox::mark_published`), so its generic plan
+/// may be made when the outbox is empty. Made then, and run once 20,000 unpublished rows (and
+/// their index entries) are there, it must still find each delivered row by its primary key and
+/// each aggregate's next row by `outbox_unpublished_by_aggregate`: no sequential scan, no hash of
+/// the table, whatever sizes the planner saw.
+#[tokio::test]
+async fn the_published_marks_generic_plan_made_on_an_empty_outbox_probes_the_outboxs_indexes_once_it_grew() {
+    use inbox_domain::inbox::store::outbox::MARK_PUBLISHED_SQL;
+    use inbox_test_support::db::{other_scans, prepare_generic_claim};
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let args = "(ARRAY[1, 2]::int8[], ARRAY[1, 1]::int4[], ARRAY[now(), now()])";
+    let types = "int8[], int4[], timestamptz[]";
+    prepare_generic_claim(&client, "mark", types, MARK_PUBLISHED_SQL, args).await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'Invoice', 'in_' || (i % 5000), 'InvoicePaymentBooked', '{}' FROM generate_series(1, 20000) i",
+        )
+        .await
+        .unwrap();
+    let plan: Vec<String> =
+        inbox_test_support::db::column(&client, &format!("EXPLAIN (COSTS OFF) EXECUTE mark{args}")).await;
+    let plan = plan.join("\n");
+    let plans: Vec<String> = inbox_test_support::db::column(
+        &client,
+        "SELECT generic_plans || '/' || custom_plans FROM pg_prepared_statements WHERE name = 'mark'",
+    )
+    .await;
+    assert_eq!(plans, ["2/0"], "generic / custom plans: the cached generic plan, made on the empty outbox");
+    // The rows found are updated by the ctid just read (Tid Scan).
+    let allowed = ["using outbox_pkey", "using outbox_unpublished_by_aggregate", "Tid Scan"];
+    let other_scans = other_scans(&plan, " on outbox", &allowed);
+    assert!(
+        other_scans.is_empty()
+            && !plan.contains("Hash")
+            && plan.contains("using outbox_unpublished_by_aggregate"),
+        "each delivered row by its key, each aggregate's next row by its index:\n{plan}"
     );
 }
 

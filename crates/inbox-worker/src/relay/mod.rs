@@ -651,10 +651,10 @@ async fn finish_wave(relay: &Relay, wave: Vec<Ended<'_>>) {
     let marked = if delivered.is_empty() {
         Some(Vec::new())
     } else {
-        let timeout = relay.db_timeout / 2;
+        let (pooler, timeout) = (relay.pooler, relay.db_timeout / 2);
         with_retries(relay, "mark outbox rows published", |client| {
             let delivered = delivered.clone();
-            Box::pin(async move { outbox::mark_published(client, &delivered, timeout).await })
+            Box::pin(async move { outbox::mark_published(client, pooler, &delivered, timeout).await })
         })
         .await
     };
@@ -724,12 +724,12 @@ async fn finish_wave(relay: &Relay, wave: Vec<Ended<'_>>) {
 type WriteFuture<'c, T> =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, tokio_postgres::Error>> + Send + 'c>>;
 
-/// Runs `write` on a pooled connection, trying up to three times within about a second (a
-/// mark lost to a blip would mean delivering the batch again after its lease); None when every
-/// try failed (said once).
+/// Runs `write` on a pooled connection (its statement cache included), trying up to three times
+/// within about a second (a mark lost to a blip would mean delivering the batch again after its
+/// lease); None when every try failed (said once).
 async fn with_retries<T, F>(relay: &Relay, what: &str, write: F) -> Option<T>
 where
-    F: for<'c> Fn(&'c tokio_postgres::Client) -> WriteFuture<'c, T>,
+    F: for<'c> Fn(&'c deadpool_postgres::Object) -> WriteFuture<'c, T>,
 {
     let mut last = String::new();
     for delay in [Duration::ZERO, Duration::from_millis(200), Duration::from_millis(800)] {

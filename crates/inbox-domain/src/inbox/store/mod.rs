@@ -60,10 +60,10 @@
 //! backlog each batch read the whole backlog and the worker fell further behind (end-to-end p99
 //! of 5 to 12 s in the benchmark). Planning the lock, the mark and the rest once per batch costs
 //! far less than that risk (0.06–0.07 ms each). The claims, the worker's and the relay's
-//! ([`outbox`]), are the exception: planning one cost as much as running it, so directly (no
-//! transaction pooler) each is prepared once per connection and runs its generic plan under
-//! settings that leave the planner one plan, the one it is written for
-//! ([`queue::CLAIM_GENERIC_PLANNER_SQL`]). The ingest's insert keeps its prepared statement: its
+//! ([`outbox`]), and the relay's published mark are the exceptions: planning one cost as much as
+//! running it, or more, so directly (no transaction pooler) each is prepared once per connection
+//! and runs its generic plan under settings that leave the planner one plan, the one it is
+//! written for ([`queue::CLAIM_GENERIC_PLANNER_SQL`]). The ingest's insert keeps its prepared statement: its
 //! plan has no choice to make.
 
 use std::time::Duration;

@@ -337,8 +337,16 @@ impl From<&OutboxClaimed> for Fence {
 }
 
 /// Runs [`MARK_PUBLISHED_SQL`] in a transaction of its own under `timeout`; returns the ids marked.
+///
+/// Prepared once per connection with its generic plan, like the claim, unless behind a
+/// transaction pooler (see `queue::run_prepared`): planned for its arguments, the mark of a few
+/// rows cost PostgreSQL 0.2–0.4 ms of planning for 0.05–0.08 ms of work. Its plan made on an
+/// empty outbox, without the settings it runs under, probed the aggregate's next row by a
+/// sequential scan of the outbox for every row marked
+/// (`the_published_marks_generic_plan_made_on_an_empty_outbox_probes_the_outboxs_indexes_once_it_grew`).
 pub async fn mark_published(
-    client: &Client,
+    client: &deadpool_postgres::Object,
+    pooler: Pooler,
     rows: &[Fence],
     timeout: Duration,
 ) -> Result<Vec<i64>, tokio_postgres::Error> {
@@ -347,7 +355,7 @@ pub async fn mark_published(
     let leases: Vec<SystemTime> = rows.iter().map(|r| r.leased_until).collect();
     let params: [(&(dyn ToSql + Sync), Type); 3] =
         [(&ids, Type::INT8_ARRAY), (&attempts, Type::INT4_ARRAY), (&leases, Type::TIMESTAMPTZ_ARRAY)];
-    let rows = super::query_in_own_transaction(client, timeout, MARK_PUBLISHED_SQL, &params).await?;
+    let rows = super::queue::run_prepared(client, pooler, timeout, "", MARK_PUBLISHED_SQL, &params).await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 

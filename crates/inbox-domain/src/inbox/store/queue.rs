@@ -288,7 +288,9 @@ pub const CLAIM_PLANNER_SQL: &str = claim_planner!();
 /// backlog at each claim (the store's "Plans"); these settings are what rule that plan out, and
 /// `the_claims_generic_plan_made_on_an_empty_queue_reads_only_the_queues_index_once_it_grew` (and
 /// the relay's `…_reads_outbox_ready_once_it_grew`) check it. Local to the claim's transaction, and
-/// the claim is its only statement.
+/// the claim is its only statement. The relay's published mark runs under them too
+/// ([`run_prepared`]): made on an empty outbox, its plan otherwise found each aggregate's next row
+/// by a sequential scan of the outbox.
 pub const CLAIM_GENERIC_PLANNER_SQL: &str = concat!(
     claim_planner!(),
     "; SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; \
@@ -376,14 +378,29 @@ pub async fn claim(
 }
 
 /// Runs a claim (`sql`: [`CLAIM_SQL`], [`CLAIM_TYPED_SQL`], the relay's `outbox::CLAIM_SQL`) in a
-/// transaction of its own under `timeout` (see `query_in_own_transaction`). Directly
-/// ([`Pooler::None`]) prepared once per connection (the pool's statement cache) and run with its
-/// generic plan under [`CLAIM_GENERIC_PLANNER_SQL`]; behind a transaction pooler, where no
-/// statement outlives its transaction, sent unnamed under [`CLAIM_PLANNER_SQL`].
+/// transaction of its own under `timeout` (see `query_in_own_transaction`): [`run_prepared`],
+/// under [`CLAIM_PLANNER_SQL`] when sent unnamed.
 pub(super) async fn run_claim(
     client: &deadpool_postgres::Object,
     pooler: Pooler,
     timeout: std::time::Duration,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<Vec<Row>, tokio_postgres::Error> {
+    run_prepared(client, pooler, timeout, CLAIM_PLANNER_SQL, sql, params).await
+}
+
+/// Runs `sql` in a transaction of its own under `timeout` (see `query_in_own_transaction`).
+/// Directly ([`Pooler::None`]) prepared once per connection (the pool's statement cache) and run
+/// with its generic plan under [`CLAIM_GENERIC_PLANNER_SQL`]; behind a transaction pooler, where
+/// no statement outlives its transaction, sent unnamed under `unnamed_setup` (empty for none).
+/// For the statements whose planning costs as much as their work and whose only good plan those
+/// settings leave: the claims and the relay's published mark (`outbox::mark_published`).
+pub(super) async fn run_prepared(
+    client: &deadpool_postgres::Object,
+    pooler: Pooler,
+    timeout: std::time::Duration,
+    unnamed_setup: &str,
     sql: &str,
     params: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<Vec<Row>, tokio_postgres::Error> {
@@ -396,7 +413,7 @@ pub(super) async fn run_claim(
             super::in_own_transaction(client, timeout, CLAIM_GENERIC_PLANNER_SQL, statement).await
         }
         Pooler::Transaction => {
-            super::query_in_own_transaction_with(client, timeout, CLAIM_PLANNER_SQL, sql, params).await
+            super::query_in_own_transaction_with(client, timeout, unnamed_setup, sql, params).await
         }
     }
 }
