@@ -4,10 +4,11 @@
 //! The two drains of a pair differ by the processed rows alone: each runs in a fresh database
 //! with the same `--scale-queued` rows queued the same way, the history's database a file copy of
 //! a template seeded once (so its million rows are on disk and in the OS's cache, not in
-//! shared_buffers: where rows processed days ago are in a running system). This VM's speed
-//! drifts by ±20 % within a minute (the worker's own CPU per event, which the table cannot
+//! shared_buffers: where rows processed days ago are in a running system). A shared 2-core VM's
+//! speed drifts by ±15 % within a minute (the worker's own CPU per event, which the table cannot
 //! change, moves with it), so single drains a minute apart compare the minutes more than the
-//! tables: the rounds alternate the order (empty, history; history, empty; …), which cancels a
+//! tables: the rounds alternate the order (history, empty; empty, history; …: the first drain after
+//! the template's seeding tends to be the slowest, and the history's takes it), which cancels a
 //! drift that is linear over the phase, and the ratio is the history's total rate over the empty
 //! table's.
 
