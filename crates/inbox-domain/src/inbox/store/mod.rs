@@ -63,8 +63,8 @@
 //! ([`outbox`]), and the relay's published mark are the exceptions: planning one cost as much as
 //! running it, or more, so directly (no transaction pooler) each is prepared once per connection
 //! and runs its generic plan under settings that leave the planner one plan, the one it is
-//! written for ([`queue::CLAIM_GENERIC_PLANNER_SQL`]). The ingest's insert keeps its prepared statement: its
-//! plan has no choice to make.
+//! written for ([`queue::CLAIM_GENERIC_PLANNER_SQL`]). The ingest's insert keeps its prepared
+//! statement: its plan has no choice to make.
 
 use std::time::Duration;
 
