@@ -48,9 +48,9 @@ async fn seed_history(ctx: &Ctx, db: &pg::BenchDb) -> anyhow::Result<()> {
 async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json::Value> {
     let queued = ctx.args.scale_queued.unwrap_or(ctx.args.drain_rows);
     let rounds = ctx.args.scale_rounds.max(1);
-    let plan = |label, history, last| Plan {
+    let plan = |label: &'static str, history, last| Plan {
         label,
-        db_suffix: String::new(),
+        db_suffix: label.replace('-', "_"),
         processes: 1,
         concurrency: Some(ctx.args.worker_concurrency),
         batch_size: ctx.args.worker_batch_size,
@@ -68,18 +68,13 @@ async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json:
         let mut autovacuum = [0; 2];
         for history in [history_first, !history_first] {
             let v = if history {
-                let db = ctx.server.create_db_from("scale", template).await?;
-                let v = drain::drain(ctx, &plan("scale", ctx.args.scale_rows, last), &db, "q_").await;
+                let plan = plan("scale", ctx.args.scale_rows, last);
+                let db = ctx.server.create_db_from(&plan.db_suffix, template).await?;
+                let v = drain::drain(ctx, &plan, &db).await;
                 ctx.server.drop_db(&db).await;
                 v?
             } else {
-                let db = ctx.server.create_db("scale_empty").await?;
-                let v = match ctx.migrate(&db.url).await {
-                    Ok(()) => drain::drain(ctx, &plan("scale-empty", 0, last), &db, "q_").await,
-                    Err(e) => Err(e),
-                };
-                ctx.server.drop_db(&db).await;
-                v?
+                drain::run(ctx, &plan("scale-empty", 0, last)).await?
             };
             let seconds = v["seconds"].as_f64().unwrap_or(f64::NAN);
             rates[usize::from(history)] = v["events_per_s"].as_f64().unwrap_or(f64::NAN);
