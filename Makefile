@@ -35,6 +35,7 @@ test: build ## Every test and doctest, against the local PostgreSQL (or DATABASE
 	    $(WITH_DB) $(CARGO) test --workspace $(TOOLS) --lib --bins --tests; \
 	fi
 	$(CARGO) test --doc --workspace $(TOOLS)
+	$(CARGO) test -p inbox-bench --bins # the bench's own arithmetic (rounds, ratios), no server
 
 CHAOS_DURATION ?= 5m
 CHAOS_RATE ?= 100

@@ -164,6 +164,8 @@ pub struct LoadResult {
     /// Requests started inside the measured window (or, open loop, all of them).
     pub measured: Counts,
     pub latency: Percentiles,
+    /// Every measured request's latency in µs, sorted: what rounds of one figure are merged from.
+    pub micros: Vec<u32>,
     pub seconds: f64,
     pub first_error: Option<String>,
     pub reconnects: u64,
@@ -202,7 +204,9 @@ fn merge(parts: Vec<TaskResult>, seconds: f64) -> LoadResult {
         r.first_error = r.first_error.or(p.first_error);
         r.reconnects += p.reconnects;
     }
-    r.latency = Percentiles::of(lat);
+    lat.sort_unstable();
+    r.latency = Percentiles::of(lat.clone());
+    r.micros = lat;
     r
 }
 

@@ -5,12 +5,13 @@
 //!   a      the limit: `pgbench -M prepared` running the ingest's INSERT … ON CONFLICT DO NOTHING
 //!          with the same ~2 KB body, at each `--connections` client count;
 //!   b      ingest: pre-signed unique `invoice.paid` webhooks over N keep-alive connections
-//!          (closed loop): req/s, latency percentiles, non-2xx, rows stored = 2xx;
+//!          (closed loop): req/s, latency percentiles, non-2xx, rows stored = 2xx; with (a), in
+//!          `--ab-rounds` rounds (a b, b a, …), each figure the total of its rounds;
 //!   c      worker drain of `--drain-rows` queued rows with the full handler, 1 and 2 processes
 //!          with `--worker-concurrency` (and `--worker-batch-size`): events/s, commits/event,
 //!          WAL bytes/event, dead tuples and sizes after the drain; then the same drain by 1
 //!          process started with no tuning flags (the worker's defaults), as a ratio to the
-//!          tuned 1-process rate;
+//!          tuned 1-process rate; `--drain-rounds` rounds of those two, in alternating order;
 //!   relay  `--drain-rows` outbox rows delivered by 1 `inbox-worker relay` process with no tuning
 //!          flags, to an HTTP receiver in this process and to a nats-server with JetStream:
 //!          deliveries/s beside (c)'s default-flag worker rate, commits and WAL per row;
@@ -100,6 +101,11 @@ pub struct Args {
     /// Unmeasured load before each measured window.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     warmup: Duration,
+    /// Rounds of (a) and (b) when both run, alternating their order; each figure is the total
+    /// of its rounds. pgbench's rate on a shared 2-core VM drifts by ±30 % from one minute to the
+    /// next, with the ingest's only partly following it.
+    #[arg(long, default_value_t = 2)]
+    ab_rounds: usize,
     /// Client / connection counts of (a) and (b).
     #[arg(long, value_delimiter = ',', default_value = "32,256")]
     connections: Vec<usize>,
@@ -110,6 +116,10 @@ pub struct Args {
     /// process and no tuning flags.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     drain_processes: Vec<usize>,
+    /// Rounds of (c)'s two 1-process drains, tuned and default-flag, in alternating order; each
+    /// rate is the total of its rounds. Single drains of ~3 s on a shared VM differ by ±15 %.
+    #[arg(long, default_value_t = 2)]
+    drain_rounds: usize,
     /// `inbox-worker run --concurrency` in the tuned drains of (c), in (d) and scale: with the
     /// default --batch-size of 64, four transactions in flight per process. The default-flag
     /// drain of (c) and mem pass no --concurrency.
@@ -323,53 +333,56 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
         errors.insert(key, json!(format!("{e:#}")));
     };
 
-    let mut pgbench = BTreeMap::new();
-    if want(Phase::A) {
-        for &c in &ctx.args.connections {
-            match pgbench::run(ctx, c).await {
-                Ok(v) => {
-                    pgbench.insert(c, v);
+    // (a) and (b) in rounds, the second in the opposite order (a b, b a, a b…), so that the
+    // ratio of the ingest to pgbench does not follow the VM's drift between them.
+    let rounds = if want(Phase::A) && want(Phase::B) { ctx.args.ab_rounds.max(1) } else { 1 };
+    let mut a_rounds: BTreeMap<usize, Vec<serde_json::Value>> = BTreeMap::new();
+    let mut b_rounds: BTreeMap<usize, Vec<ingest::Round>> = BTreeMap::new();
+    for round in 0..rounds {
+        if rounds > 1 {
+            ctx.say(&format!("a, b: round {} of {rounds}", round + 1));
+        }
+        for phase in if round % 2 == 0 { [Phase::A, Phase::B] } else { [Phase::B, Phase::A] } {
+            if !want(phase) {
+                continue;
+            }
+            for &c in &ctx.args.connections {
+                if phase == Phase::A {
+                    match pgbench::run(ctx, c).await {
+                        Ok(v) => a_rounds.entry(c).or_default().push(v),
+                        Err(e) => note_err(format!("a{c}"), e, ctx),
+                    }
+                } else {
+                    let tps = a_rounds.get(&c).and_then(|r| r.first()).and_then(|v| v["tps"].as_f64());
+                    match ingest::run(ctx, c, tps).await {
+                        Ok(v) => b_rounds.entry(c).or_default().push(v),
+                        Err(e) => note_err(format!("b{c}"), e, ctx),
+                    }
                 }
-                Err(e) => note_err(format!("a{c}"), e, ctx),
             }
         }
     }
-    let tps = |c: usize| pgbench.get(&c).and_then(|v: &serde_json::Value| v["tps"].as_f64());
-
-    let mut ingest = BTreeMap::new();
-    if want(Phase::B) {
-        for &c in &ctx.args.connections {
-            match ingest::run(ctx, c, tps(c)).await {
-                Ok(v) => {
-                    ingest.insert(c, v);
-                }
-                Err(e) => note_err(format!("b{c}"), e, ctx),
-            }
-        }
-    }
+    let pgbench: BTreeMap<usize, serde_json::Value> =
+        a_rounds.into_iter().map(|(c, r)| (c, pgbench::combine(r))).collect();
+    let ingest: BTreeMap<usize, serde_json::Value> =
+        b_rounds.into_iter().map(|(c, r)| (c, ingest::combine(r))).collect();
 
     let mut drains = BTreeMap::new();
     if want(Phase::C) {
-        for &p in &ctx.args.drain_processes {
-            let plan = drain::Plan {
-                label: &format!("c{p}"),
-                db_suffix: format!("c{p}"),
-                processes: p,
-                concurrency: Some(ctx.args.worker_concurrency),
-                batch_size: ctx.args.worker_batch_size,
-                queued: ctx.args.drain_rows,
-                history: 0,
-                pgstattuple: true,
-            };
-            match drain::run(ctx, &plan).await {
-                Ok(v) => {
-                    drains.insert(p, v);
-                }
-                Err(e) => note_err(format!("c{p}"), e, ctx),
-            }
-        }
+        let labels: BTreeMap<usize, String> =
+            ctx.args.drain_processes.iter().map(|p| (*p, format!("c{p}"))).collect();
+        let tuned = |p: usize| drain::Plan {
+            label: &labels[&p],
+            db_suffix: format!("c{p}"),
+            processes: p,
+            concurrency: Some(ctx.args.worker_concurrency),
+            batch_size: ctx.args.worker_batch_size,
+            queued: ctx.args.drain_rows,
+            history: 0,
+            pgstattuple: true,
+        };
         // The worker as shipped: the same rows, 1 process, none of the tuning flags.
-        let plan = drain::Plan {
+        let shipped = drain::Plan {
             label: "c1-default",
             db_suffix: "c1default".into(),
             processes: 1,
@@ -379,11 +392,31 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
             history: 0,
             pgstattuple: true,
         };
-        match drain::run(ctx, &plan).await {
-            Ok(v) => {
-                out.insert("drain_default".into(), v);
+        // The tuned drains, then the default-flag one; further rounds drain the two 1-process
+        // plans again, in alternating order, for the ratio of the defaults to the tuned flags.
+        let rounds = ctx.args.drain_rounds.max(1);
+        let mut tuned_rounds: BTreeMap<usize, Vec<serde_json::Value>> = BTreeMap::new();
+        let mut shipped_rounds = Vec::new();
+        for round in 0..rounds {
+            for default_flags in [round % 2 == 1, round % 2 == 0] {
+                if default_flags {
+                    match drain::run(ctx, &shipped).await {
+                        Ok(v) => shipped_rounds.push(v),
+                        Err(e) => note_err("c1-default".into(), e, ctx),
+                    }
+                    continue;
+                }
+                for &p in ctx.args.drain_processes.iter().filter(|&&p| round == 0 || p == 1) {
+                    match drain::run(ctx, &tuned(p)).await {
+                        Ok(v) => tuned_rounds.entry(p).or_default().push(v),
+                        Err(e) => note_err(format!("c{p}"), e, ctx),
+                    }
+                }
             }
-            Err(e) => note_err("c1-default".into(), e, ctx),
+        }
+        drains.extend(tuned_rounds.into_iter().filter_map(|(p, r)| Some((p, drain::combine(r)?))));
+        if let Some(v) = drain::combine(shipped_rounds) {
+            out.insert("drain_default".into(), v);
         }
     }
 
@@ -520,8 +553,10 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "duration_s": a.duration.as_secs_f64(),
         "warmup_s": a.warmup.as_secs_f64(),
         "connections": a.connections,
+        "ab_rounds": a.ab_rounds,
         "drain_rows": a.drain_rows,
         "drain_processes": a.drain_processes,
+        "drain_rounds": a.drain_rounds,
         "worker_concurrency": a.worker_concurrency,
         "ingest_args": a.ingest_arg,
         "worker_batch_size": a.worker_batch_size,

@@ -89,6 +89,30 @@ pub async fn run(ctx: &Ctx, clients: usize) -> anyhow::Result<serde_json::Value>
     result
 }
 
+/// Rounds of one client count as one figure: the transactions of all over their time (each
+/// round's transactions at its rate), and each round's rate under `rounds_tps`.
+pub fn combine(rounds: Vec<serde_json::Value>) -> serde_json::Value {
+    if rounds.len() == 1 {
+        return rounds.into_iter().next().unwrap();
+    }
+    let num = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
+    let sum = |k: &str| rounds.iter().map(|r| num(r, k)).sum::<f64>();
+    let transactions = sum("transactions");
+    let busy: f64 = rounds.iter().map(|r| num(r, "transactions") / num(r, "tps").max(1e-9)).sum();
+    let latency: f64 = rounds.iter().map(|r| num(r, "latency_avg_ms") * num(r, "transactions")).sum();
+    let cpu: Vec<_> = rounds.iter().map(|r| (&r["cpu"], num(r, "transactions"))).collect();
+    let mut out = rounds.last().unwrap().clone();
+    out["tps"] = json!(transactions / busy.max(1e-9));
+    out["transactions"] = json!(transactions);
+    out["seconds"] = json!(sum("seconds"));
+    out["latency_avg_ms"] = json!(crate::util::r3(latency / transactions.max(1.0)));
+    out["failed"] = json!(sum("failed"));
+    out["rows_stored"] = json!(sum("rows_stored"));
+    out["cpu"] = crate::util::combine_cpu(&cpu);
+    out["rounds_tps"] = rounds.iter().map(|r| r["tps"].clone()).collect();
+    out
+}
+
 async fn run_pgbench(mut cmd: std::process::Command) -> anyhow::Result<String> {
     let out = tokio::task::spawn_blocking(move || cmd.output())
         .await?
@@ -103,4 +127,29 @@ async fn run_pgbench(mut cmd: std::process::Command) -> anyhow::Result<String> {
 fn find_number(text: &str, prefix: &str) -> Option<f64> {
     let line = text.lines().find_map(|l| l.trim().strip_prefix(prefix))?;
     line.split_whitespace().next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn rounds_combine_into_their_transactions_over_their_time_not_the_mean_of_their_rates() {
+        let round = |transactions: f64, tps: f64, pct: f64, us: f64| {
+            json!({
+                "transactions": transactions, "tps": tps, "seconds": transactions / tps,
+                "latency_avg_ms": 1.0, "failed": 0, "rows_stored": transactions,
+                "cpu": {"seconds": transactions / tps, "postgres_pct_of_core": pct, "postgres_cpu_us_per_unit": us},
+            })
+        };
+        let v = super::combine(vec![round(100.0, 10.0, 100.0, 50.0), round(600.0, 30.0, 200.0, 100.0)]);
+        // 700 transactions in 10 s + 20 s, where the mean of the rates would be 20.
+        assert!((v["tps"].as_f64().unwrap() - 700.0 / 30.0).abs() < 1e-9, "{v}");
+        assert_eq!(v["rounds_tps"], json!([10.0, 30.0]));
+        assert_eq!(v["rows_stored"], json!(700.0));
+        // A share of a core weighted by seconds, CPU per transaction by transactions.
+        assert_eq!(v["cpu"]["postgres_pct_of_core"], json!(166.7)); // (100 × 10 + 200 × 20) / 30
+        assert_eq!(v["cpu"]["postgres_cpu_us_per_unit"], json!(92.9)); // (50 × 100 + 100 × 600) / 700
+        assert_eq!(v["cpu"]["seconds"], json!(30.0));
+    }
 }

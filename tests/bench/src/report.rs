@@ -109,6 +109,10 @@ impl Table {
                     row.ok = Some(rate / base >= 0.8);
                 }
             }
+            if let (Some(b), Some(a)) = (rates(v, "rounds_req_per_s"), rates(&pgbench[c], "rounds_tps")) {
+                let ratios: Vec<String> = b.iter().zip(&a).map(|(b, a)| format!("{:.2}", b / a)).collect();
+                t.add("     each round: ingest / pgbench", ratios.join(", "));
+            }
             t.add(
                 "     latency p50 / p99 / p99.9",
                 format!("{} / {} / {} ms", f(&l["p50_ms"], 1), f(&l["p99_ms"], 1), f(&l["p99_9_ms"], 1)),
@@ -241,9 +245,17 @@ impl Table {
                 .filter_map(|(p, v)| v["events_per_s"].as_f64().map(|r| (r, format!("c{p}"))))
                 .max_by(|a, b| a.0.total_cmp(&b.0));
             if let Some((base, name)) = best {
-                row.ratio = Some((eps / base, name));
+                row.ratio = Some((eps / base, name.clone()));
                 row.target = "≥ 0.80".into();
                 row.ok = Some(eps / base >= 0.8);
+                let tuned = &get("drain")[name.trim_start_matches('c')];
+                if let (Some(d), Some(c)) =
+                    (rates(d, "rounds_events_per_s"), rates(tuned, "rounds_events_per_s"))
+                {
+                    let ratios: Vec<String> =
+                        d.iter().zip(&c).map(|(d, c)| format!("{:.2}", d / c)).collect();
+                    t.add(format!("     each round: default flags / {name}"), ratios.join(", "));
+                }
             }
             t.add(
                 "     worker defaults: --concurrency / --batch-size / --max-bytes-in-flight",
@@ -769,6 +781,11 @@ fn ratio_digits(x: f64, target: &str) -> String {
         Some(bound) if format!("{x:.2}") == format!("{bound:.2}") => format!("{x:.3}"),
         _ => format!("{x:.2}"),
     }
+}
+
+/// The rates of a figure's rounds (`rounds_…`), when it had several.
+fn rates(v: &Value, key: &str) -> Option<Vec<f64>> {
+    v[key].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect())
 }
 
 #[cfg(test)]

@@ -170,6 +170,37 @@ impl CpuSample {
     }
 }
 
+/// The CPU usage of several measured windows of one figure (rounds) as one: shares of a core
+/// weighted by each window's seconds, microseconds per unit by its units (requests, events).
+pub fn combine_cpu(parts: &[(&serde_json::Value, f64)]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    let Some((first, _)) = parts.first() else { return serde_json::Value::Null };
+    for key in first.as_object().into_iter().flatten().map(|(k, _)| k) {
+        let weighted = |weight: &dyn Fn(&serde_json::Value, f64) -> f64| {
+            let (mut sum, mut weights) = (0.0, 0.0);
+            for (cpu, units) in parts {
+                let (Some(v), w) = (cpu[key].as_f64(), weight(cpu, *units)) else {
+                    return serde_json::Value::Null;
+                };
+                sum += v * w;
+                weights += w;
+            }
+            serde_json::json!((sum / weights.max(1e-9) * 10.0).round() / 10.0)
+        };
+        let value = if key == "seconds" {
+            serde_json::json!(r3(parts.iter().filter_map(|(c, _)| c[key].as_f64()).sum()))
+        } else if key.ends_with("_pct_of_core") || key == "machine_busy_pct" {
+            weighted(&|cpu, _| cpu["seconds"].as_f64().unwrap_or(0.0))
+        } else if key.ends_with("_cpu_us_per_unit") {
+            weighted(&|_, units| units)
+        } else {
+            first[key].clone()
+        };
+        out.insert(key.clone(), value);
+    }
+    serde_json::Value::Object(out)
+}
+
 /// A short human form of a CPU usage object: `postgres 95%, ingest 80%, bench 20%, machine 97%`.
 pub fn cpu_summary(cpu: &serde_json::Value) -> String {
     let mut parts = Vec::new();
