@@ -61,7 +61,7 @@ impl Cluster {
             chown.arg("postgres:").arg(&dir);
             server_user::run(chown, "chown");
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = inbox_test_support::port::free();
         let cluster = Cluster { data: dir.join("data"), log: dir.join("postgres.log"), dir, port };
         let mut initdb = as_server("initdb");
         initdb.arg("-D").arg(&cluster.data).args([

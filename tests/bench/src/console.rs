@@ -80,7 +80,7 @@ async fn measure(ctx: &Ctx, db: &crate::pg::BenchDb) -> anyhow::Result<serde_jso
 
 /// `inbox-worker console` on a free port of 127.0.0.1, once `/healthz` answers.
 async fn start_console(ctx: &Ctx, url: &str, users: &UsersFile) -> anyhow::Result<(Proc, SocketAddr)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = inbox_test_support::port::free();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
     let mut cmd = std::process::Command::new(ctx.bins.dir.join("inbox-worker"));
     cmd.env_clear();

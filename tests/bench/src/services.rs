@@ -71,7 +71,7 @@ impl Bins {
         database_url: &str,
         env: &[(&str, &str)],
     ) -> anyhow::Result<(Proc, SocketAddr)> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = inbox_test_support::port::free();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let mut cmd = self.command("inbox-ingest", database_url);
         cmd.env("INBOX_ENDPOINTS", format!("billing={SECRET}")).env("INBOX_LISTEN", addr.to_string());

@@ -883,7 +883,7 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
     ctx.migrate(&db.url).await?;
     let (ingest, addr) =
         ctx.bins.start_ingest_with_env(&db.url, &[("INBOX_SIGNATURE_TOLERANCE", TOLERANCE)]).await?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = inbox_test_support::port::free();
     let worker_metrics: SocketAddr = format!("127.0.0.1:{port}").parse()?;
     let metrics_arg = worker_metrics.to_string();
     // No tuning flags: only where to serve the metrics the claim latency is read from.

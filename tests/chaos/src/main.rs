@@ -170,7 +170,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         },
     };
     let (cluster, admin_url, server) = if own {
-        let port = free_port()?;
+        let port = inbox_test_support::port::free();
         let dir = log_dir.clone();
         let mut cluster = tokio::task::spawn_blocking(move || Cluster::create(port, &dir))
             .await?
@@ -314,7 +314,7 @@ async fn chaos(
     drop(setup);
     let before = check::table_stats(db_config, true).await.context("webhook_inbox's statistics")?;
 
-    let ports: Vec<u16> = (0..args.ingests).map(|_| free_port()).collect::<anyhow::Result<_>>()?;
+    let ports: Vec<u16> = (0..args.ingests).map(|_| inbox_test_support::port::free()).collect();
     let supervisor = Arc::new(Supervisor::new(
         Spec {
             ingest_url,
@@ -801,10 +801,6 @@ fn endpoint(config: &tokio_postgres::Config) -> Option<(String, u16)> {
         _ => return None,
     };
     Some((host, config.get_ports().first().copied().unwrap_or(5432)))
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 async fn wait_for_ingests(ports: &[u16], timeout: Duration) -> anyhow::Result<()> {

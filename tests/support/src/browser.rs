@@ -77,10 +77,7 @@ impl Browser {
                 return None;
             }
         };
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = crate::port::free();
         let mut driver = Command::new(&driver)
             .arg(format!("--port={port}"))
             .arg("--allowed-ips=127.0.0.1")

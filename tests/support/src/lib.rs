@@ -19,6 +19,7 @@ pub mod db;
 pub mod events;
 pub mod nats;
 pub mod pgbouncer;
+pub mod port;
 pub mod process;
 pub mod proxy;
 pub mod receiver;

@@ -19,10 +19,6 @@ pub fn binary() -> Option<PathBuf> {
     on_path.chain([PathBuf::from("/usr/sbin/nats-server")]).find(|p| p.is_file())
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// One nats-server process: its configuration file stays, so it restarts as itself.
 struct Node {
     config: PathBuf,
@@ -90,7 +86,7 @@ impl Nats {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+        let ports: Vec<(u16, u16)> = (0..n).map(|_| (crate::port::free(), crate::port::free())).collect();
         let mut nodes = Vec::new();
         for (i, (port, route)) in ports.iter().enumerate() {
             let store = dir.join(format!("n{i}"));

@@ -50,10 +50,6 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 /// How long a server may take to start, stop, stream or promote.
 const WAIT: Duration = Duration::from_secs(60);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// Whether `pid` runs (a zombie does not).
 fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -230,7 +226,7 @@ impl ReplicaPair {
             name,
             data: dir.join(name),
             log: dir.join(format!("{name}.log")),
-            port: free_port(),
+            port: crate::port::free(),
         };
         let pair = ReplicaPair { primary: node("primary"), replica: node("replica"), dir, paused: None };
         let mut initdb = as_server("initdb");

@@ -123,7 +123,7 @@ impl TlsCluster {
             Some("ca"),
             "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n",
         );
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = crate::port::free();
         let data = dir.join("data");
         if running_as_root() {
             let mut chown = Command::new("chown");
