@@ -49,7 +49,7 @@ chaos: ## Load + faults (kill -9, pg restarts, WAL disk full, max_connections, x
 
 BENCH_ARGS ?=
 .PHONY: bench
-bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~5 min); table + target/bench/report.json
+bench: ## Throughput/latency as ratios to pgbench on this PostgreSQL (~6 min); table + target/bench/report.json
 	$(CARGO) build --release --bins $(PRODUCT) -p inbox-bench
 	$(WITH_DB) target/release/bench $(BENCH_ARGS)
 
