@@ -398,7 +398,8 @@ async fn seed_range(client: &Client, template: &str, tag: &str, from: u64, n: u6
     Ok(())
 }
 
-/// The table's statistics and sizes (pg_stat_user_tables / pg_stat_user_indexes).
+/// The inbox's statistics and sizes (pg_stat_user_tables / pg_stat_user_indexes), with the
+/// indexes of its queue table (`webhook_inbox_queue_by_type`, V17) among the inbox's.
 pub async fn table_stats(client: &Client) -> anyhow::Result<serde_json::Value> {
     let r = client
         .query_one(
@@ -413,7 +414,7 @@ pub async fn table_stats(client: &Client) -> anyhow::Result<serde_json::Value> {
     let indexes = client
         .query(
             "SELECT indexrelname::text, pg_relation_size(indexrelid), idx_scan
-               FROM pg_stat_user_indexes WHERE relname = 'webhook_inbox' ORDER BY 1",
+               FROM pg_stat_user_indexes WHERE relname IN ('webhook_inbox', 'webhook_inbox_queue') ORDER BY 1",
             &[],
         )
         .await?;
@@ -440,7 +441,7 @@ pub async fn table_stats(client: &Client) -> anyhow::Result<serde_json::Value> {
     }))
 }
 
-/// Exact tuple counts of the table and the density of its indexes (the `pgstattuple` extension,
+/// Exact tuple counts of the inbox and the density of its indexes and its queue table's (the `pgstattuple` extension,
 /// created in the bench database if the server has it); `null` when it is not available.
 pub async fn tuple_stats(client: &Client) -> serde_json::Value {
     if client.batch_execute("CREATE EXTENSION IF NOT EXISTS pgstattuple").await.is_err() {
@@ -462,7 +463,7 @@ pub async fn tuple_stats(client: &Client) -> serde_json::Value {
         .query(
             "SELECT i.indexrelname::text, s.leaf_pages, s.avg_leaf_density
                FROM pg_stat_user_indexes i, LATERAL pgstatindex(i.indexrelid::regclass) s
-              WHERE i.relname = 'webhook_inbox' ORDER BY 1",
+              WHERE i.relname IN ('webhook_inbox', 'webhook_inbox_queue') ORDER BY 1",
             &[],
         )
         .await
