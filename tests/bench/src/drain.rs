@@ -27,21 +27,6 @@ pub struct Plan<'a> {
     pub pgstattuple: bool,
 }
 
-/// Drains of one plan in several rounds as one figure: the last drain's figures (sizes, plans,
-/// CPU), with the rate of all of them (their rows over their seconds) and each one's rate under
-/// `rounds_events_per_s`.
-pub fn combine(rounds: Vec<serde_json::Value>) -> Option<serde_json::Value> {
-    let num = |k: &str| rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum::<f64>();
-    let (rows, seconds) = (num("queued_rows"), num("seconds"));
-    let mut out = rounds.last()?.clone();
-    if rounds.len() > 1 {
-        out["seconds"] = json!(seconds);
-        out["events_per_s"] = json!(rows / seconds);
-        out["rounds_events_per_s"] = rounds.iter().map(|r| r["events_per_s"].clone()).collect();
-    }
-    Some(out)
-}
-
 /// Drains `plan.queued` rows in a fresh database of their own.
 pub async fn run(ctx: &Ctx, plan: &Plan<'_>) -> anyhow::Result<serde_json::Value> {
     let db = ctx.server.create_db(&plan.db_suffix).await?;

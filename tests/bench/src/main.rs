@@ -11,7 +11,8 @@
 //!          with `--worker-concurrency` (and `--worker-batch-size`): events/s, commits/event,
 //!          WAL bytes/event, dead tuples and sizes after the drain; then the same drain by 1
 //!          process started with no tuning flags (the worker's defaults), as a ratio to the
-//!          tuned 1-process rate; `--drain-rounds` rounds of those two, in alternating order;
+//!          tuned 1-process rate; `--drain-rounds` rounds of those two and the relay phase, in
+//!          alternating order;
 //!   relay  `--drain-rows` outbox rows delivered by 1 `inbox-worker relay` process with no tuning
 //!          flags, to an HTTP receiver in this process and to a nats-server with JetStream:
 //!          deliveries/s beside (c)'s default-flag worker rate, commits and WAL per row;
@@ -116,8 +117,9 @@ pub struct Args {
     /// process and no tuning flags.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     drain_processes: Vec<usize>,
-    /// Rounds of (c)'s two 1-process drains, tuned and default-flag, in alternating order; each
-    /// rate is the total of its rounds. Single drains of ~3 s on a shared VM differ by ±15 %.
+    /// Rounds of (c)'s two 1-process drains, tuned and default-flag, and of the relay phase, in
+    /// alternating order; each rate is the total of its rounds. Single drains of ~3 s on a shared
+    /// VM differ by ±15 %.
     #[arg(long, default_value_t = 2)]
     drain_rounds: usize,
     /// `inbox-worker run --concurrency` in the tuned drains of (c), in (d) and scale: with the
@@ -324,6 +326,28 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     Ok(!failed_phases && !missed)
 }
 
+/// What (c)'s rounds run, in order.
+#[derive(Clone, Copy)]
+enum Step {
+    Tuned,
+    Shipped,
+    Relay,
+}
+
+/// One run of the relay phase to each destination.
+async fn relay_round(
+    ctx: &Ctx,
+    rounds: &mut BTreeMap<&'static str, Vec<serde_json::Value>>,
+    note_err: &mut impl FnMut(String, anyhow::Error, &Ctx),
+) {
+    for destination in [relay::Destination::Http, relay::Destination::Nats] {
+        match relay::run(ctx, destination).await {
+            Ok(v) => rounds.entry(destination.name()).or_default().push(v),
+            Err(e) => note_err(format!("relay-{}", destination.name()), e, ctx),
+        }
+    }
+}
+
 async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
     let want = |p: Phase| ctx.args.phases.contains(&p);
     let mut out = serde_json::Map::new();
@@ -368,6 +392,7 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
         b_rounds.into_iter().map(|(c, r)| (c, ingest::combine(r))).collect();
 
     let mut drains = BTreeMap::new();
+    let mut relay_rounds: BTreeMap<&'static str, Vec<serde_json::Value>> = BTreeMap::new();
     if want(Phase::C) {
         let labels: BTreeMap<usize, String> =
             ctx.args.drain_processes.iter().map(|p| (*p, format!("c{p}"))).collect();
@@ -392,44 +417,52 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
             history: 0,
             pgstattuple: true,
         };
-        // The tuned drains, then the default-flag one; further rounds drain the two 1-process
-        // plans again, in alternating order, for the ratio of the defaults to the tuned flags.
+        // The tuned drains, the default-flag one and the relay; further rounds drain the two
+        // 1-process plans again and run the relay again, in alternating order (T S R, R S T, …),
+        // for the ratios of the defaults to the tuned flags and of the relay to the defaults.
         let rounds = ctx.args.drain_rounds.max(1);
         let mut tuned_rounds: BTreeMap<usize, Vec<serde_json::Value>> = BTreeMap::new();
         let mut shipped_rounds = Vec::new();
         for round in 0..rounds {
-            for default_flags in [round % 2 == 1, round % 2 == 0] {
-                if default_flags {
-                    match drain::run(ctx, &shipped).await {
+            let steps = if round % 2 == 0 {
+                [Step::Tuned, Step::Shipped, Step::Relay]
+            } else {
+                [Step::Relay, Step::Shipped, Step::Tuned]
+            };
+            for step in steps {
+                match step {
+                    Step::Tuned => {
+                        for &p in ctx.args.drain_processes.iter().filter(|&&p| round == 0 || p == 1) {
+                            match drain::run(ctx, &tuned(p)).await {
+                                Ok(v) => tuned_rounds.entry(p).or_default().push(v),
+                                Err(e) => note_err(format!("c{p}"), e, ctx),
+                            }
+                        }
+                    }
+                    Step::Shipped => match drain::run(ctx, &shipped).await {
                         Ok(v) => shipped_rounds.push(v),
                         Err(e) => note_err("c1-default".into(), e, ctx),
+                    },
+                    Step::Relay if want(Phase::Relay) => {
+                        relay_round(ctx, &mut relay_rounds, &mut note_err).await
                     }
-                    continue;
-                }
-                for &p in ctx.args.drain_processes.iter().filter(|&&p| round == 0 || p == 1) {
-                    match drain::run(ctx, &tuned(p)).await {
-                        Ok(v) => tuned_rounds.entry(p).or_default().push(v),
-                        Err(e) => note_err(format!("c{p}"), e, ctx),
-                    }
+                    Step::Relay => {}
                 }
             }
         }
-        drains.extend(tuned_rounds.into_iter().filter_map(|(p, r)| Some((p, drain::combine(r)?))));
-        if let Some(v) = drain::combine(shipped_rounds) {
+        let combine = |r| util::total_rate(r, "queued_rows", "events_per_s");
+        drains.extend(tuned_rounds.into_iter().filter_map(|(p, r)| Some((p, combine(r)?))));
+        if let Some(v) = combine(shipped_rounds) {
             out.insert("drain_default".into(), v);
         }
+    } else if want(Phase::Relay) {
+        relay_round(ctx, &mut relay_rounds, &mut note_err).await;
     }
-
     if want(Phase::Relay) {
-        let mut relays = serde_json::Map::new();
-        for destination in [relay::Destination::Http, relay::Destination::Nats] {
-            match relay::run(ctx, destination).await {
-                Ok(v) => {
-                    relays.insert(destination.name().into(), v);
-                }
-                Err(e) => note_err(format!("relay-{}", destination.name()), e, ctx),
-            }
-        }
+        let relays: serde_json::Map<String, serde_json::Value> = relay_rounds
+            .into_iter()
+            .filter_map(|(name, r)| Some((name.to_owned(), util::total_rate(r, "rows", "deliveries_per_s")?)))
+            .collect();
         out.insert("relay".into(), serde_json::Value::Object(relays));
     }
 

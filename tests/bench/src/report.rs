@@ -286,6 +286,12 @@ impl Table {
                 row.ratio = Some((per_s / base, "c1-default".into()));
                 row.target = "≥ 1.00".into();
                 row.ok = Some(per_s / base >= 1.0);
+                let worker = rates(get("drain_default"), "rounds_events_per_s");
+                if let (Some(r), Some(w)) = (rates(v, "rounds_deliveries_per_s"), worker) {
+                    let ratios: Vec<String> =
+                        r.iter().zip(&w).map(|(r, w)| format!("{:.2}", r / w)).collect();
+                    t.add("     each round: relay / c1-default", ratios.join(", "));
+                }
             }
             t.add(
                 "     commits / row; WAL bytes / row; CPU µs per row: relay / postgres",

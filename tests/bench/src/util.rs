@@ -170,6 +170,21 @@ impl CpuSample {
     }
 }
 
+/// Runs of one measurement in several rounds (drains, relay deliveries) as one figure: the last
+/// run's figures (sizes, plans, CPU), with `rate` as all runs' `count` over all their `seconds`,
+/// and each run's rate under `rounds_<rate>`. `None` when no run succeeded.
+pub fn total_rate(rounds: Vec<serde_json::Value>, count: &str, rate: &str) -> Option<serde_json::Value> {
+    let sum = |k: &str| rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum::<f64>();
+    let (n, seconds) = (sum(count), sum("seconds"));
+    let mut out = rounds.last()?.clone();
+    if rounds.len() > 1 {
+        out["seconds"] = serde_json::json!(seconds);
+        out[rate] = serde_json::json!(n / seconds);
+        out[format!("rounds_{rate}")] = rounds.iter().map(|r| r[rate].clone()).collect();
+    }
+    Some(out)
+}
+
 /// The CPU usage of several measured windows of one figure (rounds) as one: shares of a core
 /// weighted by each window's seconds, microseconds per unit by its units (requests, events).
 pub fn combine_cpu(parts: &[(&serde_json::Value, f64)]) -> serde_json::Value {
@@ -220,4 +235,24 @@ pub fn cpu_summary(cpu: &serde_json::Value) -> String {
 /// Seconds since `start`, for progress lines.
 pub fn elapsed(start: Instant) -> String {
     format!("{:7.1}s", start.elapsed().as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn runs_in_rounds_give_their_rows_over_their_seconds_and_keep_the_last_runs_figures() {
+        let run = |rows: f64, seconds: f64, size: i64| json!({ "rows": rows, "seconds": seconds, "deliveries_per_s": rows / seconds, "bytes": size });
+        let v =
+            super::total_rate(vec![run(50_000.0, 2.0, 1), run(50_000.0, 3.0, 2)], "rows", "deliveries_per_s")
+                .unwrap();
+        // 100k rows in 5 s, where the mean of the two rates would be 20833.
+        assert_eq!(v["deliveries_per_s"], json!(20_000.0));
+        assert_eq!(v["rounds_deliveries_per_s"], json!([25_000.0, 50_000.0 / 3.0]));
+        assert_eq!(v["bytes"], json!(2));
+        assert!(super::total_rate(Vec::new(), "rows", "deliveries_per_s").is_none());
+        let one = super::total_rate(vec![run(10.0, 1.0, 3)], "rows", "deliveries_per_s").unwrap();
+        assert!(one.get("rounds_deliveries_per_s").is_none(), "one run has no rounds: {one}");
+    }
 }
