@@ -205,7 +205,7 @@ fn merge(parts: Vec<TaskResult>, seconds: f64) -> LoadResult {
         r.reconnects += p.reconnects;
     }
     lat.sort_unstable();
-    r.latency = Percentiles::of(lat.clone());
+    r.latency = Percentiles::of_sorted(&lat);
     r.micros = lat;
     r
 }

@@ -132,8 +132,7 @@ pub fn combine(rounds: Vec<Round>) -> serde_json::Value {
     let seconds = sum("seconds");
     let requests: f64 = rounds.iter().map(measured).sum();
     let ok: f64 = rounds.iter().map(|r| num(&r.json["measured"], "ok_2xx")).sum();
-    let mut micros: Vec<u32> = rounds.iter().flat_map(|r| r.micros.iter().copied()).collect();
-    micros.sort_unstable();
+    let micros: Vec<u32> = rounds.iter().flat_map(|r| r.micros.iter().copied()).collect();
     let cpu: Vec<_> = rounds.iter().map(|r| (&r.json["cpu"], measured(r))).collect();
     let mut out = rounds.last().unwrap().json.clone();
     out["seconds"] = json!(seconds);

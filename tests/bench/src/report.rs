@@ -109,9 +109,8 @@ impl Table {
                     row.ok = Some(rate / base >= 0.8);
                 }
             }
-            if let (Some(b), Some(a)) = (rates(v, "rounds_req_per_s"), rates(&pgbench[c], "rounds_tps")) {
-                let ratios: Vec<String> = b.iter().zip(&a).map(|(b, a)| format!("{:.2}", b / a)).collect();
-                t.add("     each round: ingest / pgbench", ratios.join(", "));
+            if let Some(ratios) = each_round(v, "rounds_req_per_s", &pgbench[c], "rounds_tps") {
+                t.add("     each round: ingest / pgbench", ratios);
             }
             t.add(
                 "     latency p50 / p99 / p99.9",
@@ -249,12 +248,8 @@ impl Table {
                 row.target = "≥ 0.80".into();
                 row.ok = Some(eps / base >= 0.8);
                 let tuned = &get("drain")[name.trim_start_matches('c')];
-                if let (Some(d), Some(c)) =
-                    (rates(d, "rounds_events_per_s"), rates(tuned, "rounds_events_per_s"))
-                {
-                    let ratios: Vec<String> =
-                        d.iter().zip(&c).map(|(d, c)| format!("{:.2}", d / c)).collect();
-                    t.add(format!("     each round: default flags / {name}"), ratios.join(", "));
+                if let Some(ratios) = each_round(d, "rounds_events_per_s", tuned, "rounds_events_per_s") {
+                    t.add(format!("     each round: default flags / {name}"), ratios);
                 }
             }
             t.add(
@@ -286,11 +281,10 @@ impl Table {
                 row.ratio = Some((per_s / base, "c1-default".into()));
                 row.target = "≥ 1.00".into();
                 row.ok = Some(per_s / base >= 1.0);
-                let worker = rates(get("drain_default"), "rounds_events_per_s");
-                if let (Some(r), Some(w)) = (rates(v, "rounds_deliveries_per_s"), worker) {
-                    let ratios: Vec<String> =
-                        r.iter().zip(&w).map(|(r, w)| format!("{:.2}", r / w)).collect();
-                    t.add("     each round: relay / c1-default", ratios.join(", "));
+                let worker = get("drain_default");
+                if let Some(ratios) = each_round(v, "rounds_deliveries_per_s", worker, "rounds_events_per_s")
+                {
+                    t.add("     each round: relay / c1-default", ratios);
                 }
             }
             t.add(
@@ -789,9 +783,14 @@ fn ratio_digits(x: f64, target: &str) -> String {
     }
 }
 
-/// The rates of a figure's rounds (`rounds_…`), when it had several.
-fn rates(v: &Value, key: &str) -> Option<Vec<f64>> {
-    v[key].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect())
+/// Each round's ratio of one figure to another, as `1.02, 0.97`, when both ran in rounds (their
+/// rates under `rounds_…`).
+fn each_round(v: &Value, key: &str, base: &Value, base_key: &str) -> Option<String> {
+    let rates = |v: &Value, key: &str| {
+        v[key].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect::<Vec<_>>())
+    };
+    let (v, base) = (rates(v, key)?, rates(base, base_key)?);
+    Some(v.iter().zip(&base).map(|(v, b)| format!("{:.2}", v / b)).collect::<Vec<_>>().join(", "))
 }
 
 #[cfg(test)]

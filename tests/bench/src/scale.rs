@@ -15,8 +15,7 @@
 use serde_json::json;
 
 use crate::drain::{self, Plan};
-use crate::pg;
-use crate::Ctx;
+use crate::{pg, util, Ctx};
 
 pub async fn run(ctx: &Ctx) -> anyhow::Result<serde_json::Value> {
     let template = ctx.server.create_db("scale_history").await?;
@@ -59,8 +58,7 @@ async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json:
         pgstattuple: last,
     };
     let mut per_round = Vec::new();
-    let (mut last_history, mut last_empty) = (None, None);
-    let (mut history_seconds, mut empty_seconds) = (0.0, 0.0);
+    let (mut history_runs, mut empty_runs) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let last = round + 1 == rounds;
         let history_first = round % 2 == 0;
@@ -76,15 +74,12 @@ async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json:
             } else {
                 drain::run(ctx, &plan("scale-empty", 0, last)).await?
             };
-            let seconds = v["seconds"].as_f64().unwrap_or(f64::NAN);
             rates[usize::from(history)] = v["events_per_s"].as_f64().unwrap_or(f64::NAN);
             autovacuum[usize::from(history)] = v["autovacuum_in_window"].as_array().map_or(0, Vec::len);
             if history {
-                history_seconds += seconds;
-                last_history = Some(v);
+                history_runs.push(v)
             } else {
-                empty_seconds += seconds;
-                last_empty = Some(v);
+                empty_runs.push(v)
             }
         }
         per_round.push(json!({
@@ -96,20 +91,20 @@ async fn rounds(ctx: &Ctx, template: &pg::BenchDb) -> anyhow::Result<serde_json:
             "autovacuum_runs_history": autovacuum[1],
         }));
     }
-    let drained = (per_round.len() as u64 * queued) as f64;
-    let (history_rate, empty_rate) = (drained / history_seconds, drained / empty_seconds);
+    // The figures of the last drain of each (sizes, plans, CPU), with the rate of all of them.
+    let total = |runs| util::total_rate(runs, "queued_rows", "events_per_s").unwrap_or_else(|| json!({}));
+    let (mut out, empty) = (total(history_runs), total(empty_runs));
+    let rate = |v: &serde_json::Value| v["events_per_s"].as_f64().unwrap_or(f64::NAN);
+    let (history_rate, empty_rate) = (rate(&out), rate(&empty));
     ctx.say(&format!(
         "scale: {history_rate:.0} events/s with {} processed rows, {empty_rate:.0} without, over {} rounds: {:.2} ×",
         ctx.args.scale_rows,
         per_round.len(),
         history_rate / empty_rate
     ));
-    // The figures of the last drain with the history (sizes, plans, CPU), then the phase's.
-    let mut out = last_history.unwrap_or_else(|| json!({}));
-    out["events_per_s"] = json!(history_rate);
     out["empty_table_events_per_s"] = json!(empty_rate);
     out["ratio_to_empty_table"] = json!(history_rate / empty_rate);
     out["rounds"] = json!(per_round);
-    out["empty_table_last_drain"] = last_empty.unwrap_or_else(|| json!({}));
+    out["empty_table_last_drain"] = empty;
     Ok(out)
 }

@@ -19,10 +19,15 @@ pub struct Percentiles {
 
 impl Percentiles {
     pub fn of(mut micros: Vec<u32>) -> Percentiles {
+        micros.sort_unstable();
+        Percentiles::of_sorted(&micros)
+    }
+
+    /// [`Percentiles::of`] latencies already in ascending order.
+    pub fn of_sorted(micros: &[u32]) -> Percentiles {
         if micros.is_empty() {
             return Percentiles::default();
         }
-        micros.sort_unstable();
         let at = |q: f64| {
             let i = ((q * micros.len() as f64).ceil() as usize).clamp(1, micros.len()) - 1;
             micros[i] as f64 / 1e3
