@@ -456,7 +456,7 @@ async fn a_worker_with_default_flags_drains_one_mib_events_within_its_memory_bud
 /// Logs a file or a collector can read: text logs off a terminal carry no colour codes, and
 /// durations are rounded to a tenth of a millisecond, in both formats.
 #[tokio::test]
-async fn logs_off_a_terminal_are_plain_text_with_rounded_durations() {
+async fn logs_off_a_terminal_are_plain_text_with_rounded_durations_and_the_events_span_once() {
     let db = TestDb::new().await;
     let client = db.client().await;
     for format in ["text", "json"] {
@@ -479,6 +479,9 @@ async fn logs_off_a_terminal_are_plain_text_with_rounded_durations() {
                 .to_owned(),
             _ => {
                 let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+                // The event's span once, under "span": not again in a list of every span.
+                assert_eq!(value["span"]["event_id"], id.as_str(), "the event's span: {line}");
+                assert!(value.get("spans").is_none(), "one copy of the span's fields per line: {line}");
                 value["elapsed_ms"].to_string()
             }
         };

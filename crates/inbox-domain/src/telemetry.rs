@@ -46,7 +46,11 @@ pub fn init_tracing(format: Option<LogFormat>) {
         .with_ansi(std::io::stderr().is_terminal());
     // try_init: a second call (tests building several apps in one process) keeps the first.
     let _ = match format.unwrap_or_else(LogFormat::detect) {
-        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
+        // The event's span (a webhook's or an event's key) once, under "span": the list of every
+        // span around it (`with_span_list`, on by default) only repeated it, in every line.
+        LogFormat::Json => {
+            builder.json().flatten_event(true).with_current_span(true).with_span_list(false).try_init()
+        }
         LogFormat::Text => builder.try_init(),
     };
 }
