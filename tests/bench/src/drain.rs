@@ -8,7 +8,7 @@ use serde_json::json;
 
 use crate::pg::{self, simple_rows};
 use crate::services::{check_alive, stop};
-use crate::util::{rss_kib, CpuSample};
+use crate::util::{rss_kib, CpuSample, LogSample};
 use crate::Ctx;
 
 /// What to drain: `queued` rows, in a database holding `history` processed rows (seeded by the
@@ -67,6 +67,10 @@ pub async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Resu
         .collect();
     let pids: Vec<(&str, u32)> = workers.iter().map(|w| ("worker", w.child.id())).collect();
     let cpu0 = CpuSample::take(ctx.server.postmaster, &pids);
+    let named = |workers: &[inbox_test_support::process::Proc]| {
+        LogSample::take(&workers.iter().map(|w| ("worker", w)).collect::<Vec<_>>())
+    };
+    let log0 = named(&workers);
     let flags = match (plan.concurrency, plan.batch_size) {
         (None, None) => "no tuning flags (the worker's defaults)".to_owned(),
         (c, b) => {
@@ -94,6 +98,7 @@ pub async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Resu
     let seconds = drained_at.duration_since(started).as_secs_f64();
     let autovacuum = autovacuum.finish().await;
     let cpu1 = CpuSample::take(ctx.server.postmaster, &pids);
+    let log1 = named(&workers);
     let rss: Vec<Option<(u64, u64)>> = workers.iter().map(|w| rss_kib(w.child.id())).collect();
     for w in workers.iter_mut() {
         if !stop(w, Duration::from_secs(30)).await {
@@ -124,15 +129,17 @@ pub async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Resu
     let explain_after = pg::explain_claim(&mut client).await;
     let events_per_s = n / seconds;
     let cpu = cpu0.usage(&cpu1, Some(n));
+    let logs = log0.per_unit(&log1, n);
     ctx.say(&format!(
         "{label}: {events_per_s:.0} events/s in {seconds:.1} s, {:.2} commits/event, {:.0} WAL bytes/event, \
-         {:.2} blocks read/event, ledger {ledger}, dead/live {}/{} ({}); autovacuum meanwhile: {}",
+         {:.2} blocks read/event, ledger {ledger}, dead/live {}/{} ({}; {}); autovacuum meanwhile: {}",
         commits as f64 / n,
         wal_bytes as f64 / n,
         (snap1.blks_read - snap0.blks_read) as f64 / n,
         table_after["n_dead_tup"],
         table_after["n_live_tup"],
         crate::util::cpu_summary(&cpu),
+        crate::util::log_summary(&logs),
         pg::AutovacuumRun::describe(&autovacuum)
     ));
     ensure!(unprocessed == 0, "{unprocessed} rows unprocessed after the drain");
@@ -181,6 +188,7 @@ pub async fn drain(ctx: &Ctx, plan: &Plan<'_>, db: &pg::BenchDb) -> anyhow::Resu
         "worker_rss_kib": rss.iter().map(|r| r.map(|r| r.0)).collect::<Vec<_>>(),
         "worker_peak_rss_kib": rss.iter().map(|r| r.map(|r| r.1)).collect::<Vec<_>>(),
         "cpu": cpu,
+        "logs": logs,
         "table_before": table_before,
         "table_after": table_after,
         "pgstattuple_after": tuples_after,

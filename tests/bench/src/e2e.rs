@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::ensure;
+use anyhow::{ensure, Context as _};
 use serde_json::json;
 
 use crate::http;
 use crate::payload::Requests;
 use crate::pg::{self, simple_rows};
 use crate::services::{check_alive, stop};
-use crate::util::{rss_kib, CpuSample};
+use crate::util::{rss_kib, CpuSample, LogSample};
 use crate::Ctx;
 
 pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serde_json::Value> {
@@ -52,12 +52,14 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let c = http::connect_all(addr, conns).await?;
         let procs = [("ingest", ingest.child.id()), ("worker", worker.child.id())];
         let cpu0 = CpuSample::take(ctx.server.postmaster, &procs);
+        let log0 = LogSample::take(&[("ingest", &ingest), ("worker", &worker)]);
         let t0 = Instant::now();
         let autovacuum = pg::AutovacuumSampler::start(sampler, db.name.clone(), t0);
         let load = http::open_loop(c, measured, t0, rate, ctx.args.duration).await;
         let cpu1 = CpuSample::take(ctx.server.postmaster, &procs);
         let autovacuum = autovacuum.finish().await;
         let sent_at = Instant::now();
+        // The worker's lines for the measured rows come up to the drain's end.
         check_alive(&mut ingest, "inbox-ingest")?;
         let progress = |left: i64| ctx.say(&format!("d:   {left} rows not yet processed"));
         let (_, drained_at) =
@@ -65,6 +67,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
                 check_alive(&mut worker, "inbox-worker")
             })
             .await?;
+        let log1 = LogSample::take(&[("ingest", &ingest), ("worker", &worker)]);
         let ingest_rss = rss_kib(ingest.child.id());
         let worker_rss = rss_kib(worker.child.id());
         stop(&mut ingest, Duration::from_secs(10)).await;
@@ -93,6 +96,34 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
               ORDER BY floor(extract(epoch FROM received_at - t0))",
         )
         .await?;
+        // Where the time goes: from the insert's transaction to the claim's, and from the claim's to
+        // the process transaction's (`processed_at`). The claim's start is its lease's end less
+        // the lease, the worker's default (the bench passes no --lease), for rows claimed once.
+        let lease = ctx.worker_defaults["lease"]
+            .as_str()
+            .and_then(|l| humantime::parse_duration(l).ok())
+            .context("inbox-worker run --help states no default --lease")?;
+        let stages = simple_rows(
+            &client,
+            &format!(
+                "WITH m AS (SELECT available_at - make_interval(secs => {}) AS claimed_at, received_at, processed_at
+                              FROM webhook_inbox WHERE left(event_id, 6) = 'evt_m_' AND attempts = 1)
+                 SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY extract(epoch FROM claimed_at - received_at) * 1000),
+                        percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY extract(epoch FROM processed_at - claimed_at) * 1000)
+                   FROM m",
+                lease.as_secs_f64()
+            ),
+        )
+        .await?;
+        let pair = |i: usize| -> Vec<f64> {
+            stages[0][i].trim_matches(|c| c == '{' || c == '}').split(',').filter_map(|v| v.parse().ok()).collect()
+        };
+        let (to_claim, to_process) = (pair(0), pair(1));
+        ensure!(to_claim.len() == 2 && to_process.len() == 2, "no stage percentiles (no rows claimed once?)");
+        ctx.say(&format!(
+            "d:   p50 / p99 ms: receive→claim {:.1} / {:.1}, claim→process {:.1} / {:.1}",
+            to_claim[0], to_claim[1], to_process[0], to_process[1]
+        ));
         let per_second: Vec<(f64, f64)> =
             seconds.iter().filter_map(|r| Some((r[0].parse().ok()?, r[1].parse().ok()?))).collect();
         let r = &rows[0];
@@ -107,18 +138,20 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let unanswered = load.measured.errors + warm_load.as_ref().map_or(0, |w| w.measured.errors);
         let non_2xx = load.measured.non_2xx + warm_load.as_ref().map_or(0, |w| w.measured.non_2xx);
         let cpu = cpu0.usage(&cpu1, Some(load.measured.ok as f64));
+        let logs = log0.per_unit(&log1, load.measured.ok as f64);
         let series = |f: fn(&(f64, f64)) -> f64| per_second.iter().map(|v| format!("{:.0}", f(v))).collect::<Vec<_>>().join(" ");
         ctx.say(&format!("d:   p99 / max ms per second of receipt: {} / {}", series(|v| v.0), series(|v| v.1)));
         ctx.say(&format!("d:   autovacuum in the measured window: {}", pg::AutovacuumRun::describe(&autovacuum)));
         ctx.say(&format!(
             "d: sent {:.0}/s, receive-to-processed p50 {:.1} ms p99 {:.1} ms max {max_ms:.1} ms; HTTP p99 {:.1} ms; \
-             drained {:.2} s after the last send ({})",
+             drained {:.2} s after the last send ({}; {})",
             load.rate(),
             pct[0],
             pct[2],
             load.latency.p99,
             drained_at.duration_since(sent_at).as_secs_f64(),
-            crate::util::cpu_summary(&cpu)
+            crate::util::cpu_summary(&cpu),
+            crate::util::log_summary(&logs)
         ));
         Ok(json!({
             "target_rate": rate,
@@ -133,6 +166,10 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
                 "rows": measured_rows, "p50_ms": pct[0], "p90_ms": pct[1], "p99_ms": pct[2], "p99_9_ms": pct[3],
                 "max_ms": max_ms,
                 "per_second": per_second.iter().map(|(p99, max)| json!({ "p99_ms": p99, "max_ms": max })).collect::<Vec<_>>(),
+            },
+            "stages": {
+                "receive_to_claim": { "p50_ms": to_claim[0], "p99_ms": to_claim[1] },
+                "claim_to_process": { "p50_ms": to_process[0], "p99_ms": to_process[1] },
             },
             "autovacuum_in_window": autovacuum.iter().map(pg::AutovacuumRun::json).collect::<Vec<_>>(),
             "http_latency": load.latency.json(),
@@ -150,6 +187,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
             "worker_rss_kib": worker_rss.map(|r| r.0),
             "worker_peak_rss_kib": worker_rss.map(|r| r.1),
             "cpu": cpu,
+            "logs": logs,
         }))
     }
     .await;

@@ -10,7 +10,7 @@ use serde_json::json;
 use crate::http;
 use crate::payload::Requests;
 use crate::services::stop;
-use crate::util::{rss_kib, CpuSample};
+use crate::util::{rss_kib, CpuSample, LogSample};
 use crate::Ctx;
 
 /// Pre-signed requests are kept in memory (~2.3 KB each): at most this many per run; beyond it
@@ -52,8 +52,10 @@ pub async fn run(ctx: &Ctx, conns: usize, pgbench_tps: Option<f64>) -> anyhow::R
         let pid = ingest.child.id();
         tokio::time::sleep_until((t0 + ctx.args.warmup).into()).await;
         let cpu0 = CpuSample::take(ctx.server.postmaster, &[("ingest", pid)]);
+        let log0 = LogSample::take(&[("ingest", &ingest)]);
         tokio::time::sleep_until((t0 + window).into()).await;
         let cpu1 = CpuSample::take(ctx.server.postmaster, &[("ingest", pid)]);
+        let log1 = LogSample::take(&[("ingest", &ingest)]);
         let load = load.await?;
         let rss = rss_kib(pid);
         crate::services::check_alive(&mut ingest, "inbox-ingest")?;
@@ -67,17 +69,19 @@ pub async fn run(ctx: &Ctx, conns: usize, pgbench_tps: Option<f64>) -> anyhow::R
         let rows: i64 = client.query_one("SELECT count(*) FROM webhook_inbox", &[]).await?.get(0);
         let (taken, signed_live) = requests.taken();
         let cpu = cpu0.usage(&cpu1, Some((load.measured.ok + load.measured.non_2xx) as f64));
+        let logs = log0.per_unit(&log1, (load.measured.ok + load.measured.non_2xx) as f64);
         let rate = load.rate();
         ctx.say(&format!(
             "b: {rate:.0} req/s, p50 {:.1} ms, p99 {:.1} ms, non-2xx {}, unanswered {}, rows {rows} / 2xx {}, \
-             {:.0} WAL bytes/request ({})",
+             {:.0} WAL bytes/request ({}; {})",
             load.latency.p50,
             load.latency.p99,
             load.measured.non_2xx + load.warmup.non_2xx,
             load.total_unanswered(),
             load.total_ok(),
             (snap1.lsn - snap0.lsn) as f64 / sent,
-            crate::util::cpu_summary(&cpu)
+            crate::util::cpu_summary(&cpu),
+            crate::util::log_summary(&logs)
         ));
         if let Some(e) = &load.first_error {
             ctx.say(&format!("b: first connection error: {e}"));
@@ -106,6 +110,7 @@ pub async fn run(ctx: &Ctx, conns: usize, pgbench_tps: Option<f64>) -> anyhow::R
             "ingest_rss_kib": rss.map(|r| r.0),
             "ingest_peak_rss_kib": rss.map(|r| r.1),
             "cpu": cpu,
+            "logs": logs,
         });
         Ok(Round { json, micros: load.micros })
     }

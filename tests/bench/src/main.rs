@@ -206,6 +206,12 @@ pub struct Args {
     /// option beside the defaults, e.g. `--ingest-arg=--keep-raw`.
     #[arg(long, allow_hyphen_values = true)]
     ingest_arg: Vec<String>,
+    /// `RUST_LOG` of every service the bench starts. The default is the level the deploy files
+    /// set and the binaries use without one: a JSON line per webhook (ingest) and per event
+    /// (worker), read as a log collector on the same machine reads them (see
+    /// `Proc::spawn_collected`). `warn` measures the services without those lines.
+    #[arg(long, default_value = "info")]
+    service_log: String,
     /// pgbench -j.
     #[arg(long, default_value_t = 2)]
     pgbench_threads: usize,
@@ -278,7 +284,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         Some(d) => d.clone(),
         None => std::env::current_exe()?.parent().context("no directory of the bench binary")?.to_path_buf(),
     };
-    let bins = services::Bins::new(bin_dir.clone(), args.ingest_arg.clone())?;
+    let bins = services::Bins::new(bin_dir.clone(), args.ingest_arg.clone(), args.service_log.clone())?;
     let out_dir = args.out_dir.clone().unwrap_or_else(|| {
         bin_dir.parent().map_or_else(|| PathBuf::from("target"), |p| p.to_path_buf()).join("bench")
     });
@@ -571,6 +577,7 @@ async fn machine_info(ctx: &Ctx) -> anyhow::Result<serde_json::Value> {
         "git_commit": git(&["rev-parse", "--short", "HEAD"]),
         "git_dirty": git(&["status", "--porcelain", "--untracked-files=no"]).map(|s| !s.is_empty()),
         "bin_dir": ctx.bins.dir.display().to_string(),
+        "service_log": ctx.bins.log,
     }))
 }
 
@@ -592,6 +599,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "drain_rounds": a.drain_rounds,
         "worker_concurrency": a.worker_concurrency,
         "ingest_args": a.ingest_arg,
+        "service_log": a.service_log,
         "worker_batch_size": a.worker_batch_size,
         "worker_poll_interval": a.worker_poll_interval,
         "mem_rows": a.mem_rows,

@@ -41,6 +41,17 @@ fn defaults_text(d: &Value) -> String {
     format!("{} / {} / {}", v("concurrency"), v("batch_size"), v("max_bytes_in_flight"))
 }
 
+/// A row of what the services logged per request or event (`logs`, see `util::LogSample`), when
+/// the phase counted it: `ingest 1.0 / 282 B, worker 1.0 / 303 B`.
+fn log_row(t: &mut Table, unit: &str, logs: &Value) {
+    let Some(map) = logs.as_object().filter(|m| !m.is_empty()) else { return };
+    let parts: Vec<String> = map
+        .iter()
+        .map(|(name, v)| format!("{name} {} / {} B", f(&v["lines_per_unit"], 1), f(&v["bytes_per_unit"], 0)))
+        .collect();
+    t.add(format!("     log lines / bytes per {unit}"), parts.join(", "));
+}
+
 /// The entries of a JSON object keyed by numbers ("32", "256"), in numeric order.
 fn numeric(v: &Value) -> Vec<(&String, &Value)> {
     let mut entries: Vec<_> = v.as_object().into_iter().flatten().collect();
@@ -137,6 +148,7 @@ impl Table {
                     f(&v["cpu"]["postgres_cpu_us_per_unit"], 0)
                 ),
             );
+            log_row(&mut t, "request", &v["logs"]);
         }
 
         let drain_rows = |t: &mut Table, v: &Value| {
@@ -213,6 +225,7 @@ impl Table {
                     f(&v["cpu"]["postgres_cpu_us_per_unit"], 0)
                 ),
             );
+            log_row(t, "event", &v["logs"]);
         };
 
         for (p, v) in numeric(get("drain")) {
@@ -322,6 +335,16 @@ impl Table {
                     },
                 );
             }
+            let stages = &e["stages"];
+            if stages.is_object() {
+                let stage =
+                    |k: &str| format!("{} / {}", f(&stages[k]["p50_ms"], 1), f(&stages[k]["p99_ms"], 1));
+                t.add(
+                    "     p50 / p99: receive→claim; claim→process",
+                    format!("{}; {} ms", stage("receive_to_claim"), stage("claim_to_process")),
+                );
+            }
+            log_row(&mut t, "request", &e["logs"]);
             t.add(
                 "     HTTP latency p50 / p99 (from the scheduled send)",
                 format!("{} / {} ms", f(&e["http_latency"]["p50_ms"], 1), f(&e["http_latency"]["p99_ms"], 1)),
@@ -678,6 +701,7 @@ fn soak_rows(t: &mut Table, s: &Value) {
             f(&cpu["postgres_cpu_us_per_unit"], 0)
         ),
     );
+    log_row(t, "event", &s["logs"]);
     let rss = &s["peak_rss_kib"];
     let peak = |k: &str| rss[k].as_f64().map_or("?".into(), mib);
     t.add(
@@ -764,10 +788,11 @@ pub fn machine_lines(m: &Value) -> Vec<String> {
             if m["postgres_local"] == true { "" } else { " (not on this machine: no CPU figures)" }
         ),
         format!(
-            "build: git {}{}, binaries in {}",
+            "build: git {}{}, binaries in {}, services logging at RUST_LOG={}",
             m["git_commit"].as_str().unwrap_or("?"),
             if m["git_dirty"] == true { " (uncommitted changes)" } else { "" },
-            m["bin_dir"].as_str().unwrap_or("?")
+            m["bin_dir"].as_str().unwrap_or("?"),
+            m["service_log"].as_str().unwrap_or("?")
         ),
     ]
 }

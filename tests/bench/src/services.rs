@@ -15,10 +15,16 @@ pub struct Bins {
     pub dir: PathBuf,
     /// Extra arguments of every `inbox-ingest` (`--ingest-arg`).
     pub ingest_args: Vec<String>,
+    /// `RUST_LOG` of the services (`--service-log`).
+    pub log: String,
 }
 
+/// Lines of each kind a service's output keeps for the error that quotes it (see
+/// `Proc::spawn_collected`): its warnings and errors, and its last lines at `info`.
+const KEEP_LINES: usize = 2000;
+
 impl Bins {
-    pub fn new(dir: PathBuf, ingest_args: Vec<String>) -> anyhow::Result<Bins> {
+    pub fn new(dir: PathBuf, ingest_args: Vec<String>, log: String) -> anyhow::Result<Bins> {
         for name in ["inbox-ingest", "inbox-worker"] {
             let path = dir.join(name);
             if !path.exists() {
@@ -28,17 +34,17 @@ impl Bins {
                 );
             }
         }
-        Ok(Bins { dir, ingest_args })
+        Ok(Bins { dir, ingest_args, log })
     }
 
-    /// A command with a clean environment, JSON logs, warnings only.
+    /// A command with a clean environment, JSON logs at `--service-log`'s level.
     pub fn command(&self, name: &str, database_url: &str) -> Command {
         let mut cmd = Command::new(self.dir.join(name));
         cmd.env_clear();
         if let Some(path) = std::env::var_os("PATH") {
             cmd.env("PATH", path);
         }
-        cmd.env("LOG_FORMAT", "json").env("RUST_LOG", "warn").env("DATABASE_URL", database_url);
+        cmd.env("LOG_FORMAT", "json").env("RUST_LOG", &self.log).env("DATABASE_URL", database_url);
         cmd
     }
 
@@ -76,7 +82,7 @@ impl Bins {
         let mut cmd = self.command("inbox-ingest", database_url);
         cmd.env("INBOX_ENDPOINTS", format!("billing={SECRET}")).env("INBOX_LISTEN", addr.to_string());
         cmd.envs(env.iter().copied()).args(&self.ingest_args);
-        let mut proc = Proc::spawn(cmd);
+        let mut proc = Proc::spawn_collected(cmd, KEEP_LINES);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = proc.child.try_wait()? {
@@ -109,7 +115,7 @@ impl Bins {
         if let Some(n) = batch_size {
             cmd.arg("--batch-size").arg(n.to_string());
         }
-        Proc::spawn(cmd)
+        Proc::spawn_collected(cmd, KEEP_LINES)
     }
 
     /// Starts `inbox-worker relay` with `args` (a destination, nothing else: its defaults) and
@@ -117,11 +123,11 @@ impl Bins {
     pub fn start_relay(&self, database_url: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut cmd = self.command("inbox-worker", database_url);
         cmd.arg("relay").args(args).envs(env.iter().copied());
-        Proc::spawn(cmd)
+        Proc::spawn_collected(cmd, KEEP_LINES)
     }
 
     /// The defaults `inbox-worker run` states in its `--help` for the tuning options
-    /// (`--concurrency`, `--batch-size`, `--max-bytes-in-flight`), as written there (`null` for
+    /// (`--concurrency`, `--batch-size`, `--max-bytes-in-flight`) and the lease (`--lease`), as written there (`null` for
     /// an option it does not have or states no default for). The command's environment is
     /// cleared, as for the workers the bench starts, so these are the values they run with.
     pub fn worker_defaults(&self) -> serde_json::Value {
@@ -138,6 +144,7 @@ impl Bins {
             ("concurrency", "--concurrency"),
             ("batch_size", "--batch-size"),
             ("max_bytes_in_flight", "--max-bytes-in-flight"),
+            ("lease", "--lease"),
         ] {
             out.insert(key.into(), help_default(&help, flag).map_or(serde_json::Value::Null, Into::into));
         }

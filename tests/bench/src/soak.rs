@@ -32,7 +32,7 @@ use crate::payload::Requests;
 use crate::pg::{self, simple_rows};
 use crate::services::{check_alive, stop};
 use crate::svg::{self, Chart, Series};
-use crate::util::{rss_kib, CpuSample};
+use crate::util::{rss_kib, CpuSample, LogSample};
 use crate::Ctx;
 
 /// The ingest's (and the purge's) signature tolerance in this phase.
@@ -77,6 +77,11 @@ impl Services {
             ("worker", self.worker.child.id()),
             ("relay", self.relay.child.id()),
         ]
+    }
+
+    /// What each has logged so far.
+    fn logs(&self) -> LogSample {
+        LogSample::take(&[("ingest", &self.ingest), ("worker", &self.worker), ("relay", &self.relay)])
     }
 
     fn check(&mut self) -> anyhow::Result<()> {
@@ -893,6 +898,7 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
     let relay_argv: Vec<&str> = relay_args.iter().map(String::as_str).collect();
     let relay = ctx.bins.start_relay(&db.url, &relay_argv, crate::relay::HTTP_ENV);
     let mut services = Services { ingest, worker, relay, worker_metrics };
+    let logs0 = services.logs();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !matches!(http::get_status(worker_metrics, "/healthz").await, Ok(200)) {
         services.check()?;
@@ -978,6 +984,7 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
     let hwm: BTreeMap<&str, Option<u64>> =
         services.pids().iter().map(|&(n, pid)| (n, rss_kib(pid).map(|r| r.1))).collect();
     let first = sampler.first.take().expect("the first probe");
+    let logs1 = services.logs();
     for (p, what) in [
         (&mut services.ingest, "inbox-ingest"),
         (&mut services.worker, "inbox-worker run"),
@@ -999,6 +1006,7 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
     summary.insert("wal_by_record_type".into(), wal_breakdown(sampler.wal_kinds.as_ref(), processed));
     summary.insert("wal_by_table".into(), wal_breakdown(sampler.wal_tables.as_ref(), processed));
     let cpu_total = first.cpu.usage(&sampler.prev.cpu, Some(processed as f64));
+    let logs = logs0.per_unit(&logs1, processed as f64);
     let last = &sampler.prev;
     let claims = last.claims.as_ref().map(|h| h.since(first.claims.as_ref()));
     let peak_postgres_private = samples.iter().filter_map(|s| s.rss_kib["postgres_private"]).max();
@@ -1045,6 +1053,7 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
         "drain_after_load_s": drain_s,
         "claims": claims.map(|(n, mean, p99)| json!({ "count": n, "mean_ms": mean, "p99_ms": p99 })),
         "cpu": cpu_total,
+        "logs": logs,
         "peak_rss_kib": {
             "ingest": hwm["ingest"], "worker": hwm["worker"], "relay": hwm["relay"],
             "postgres_private_max_sampled": peak_postgres_private,

@@ -221,6 +221,68 @@ pub fn combine_cpu(parts: &[(&serde_json::Value, f64)]) -> serde_json::Value {
     serde_json::Value::Object(out)
 }
 
+/// How much the named services had logged at one moment (lines and bytes, see `Proc::printed`).
+#[derive(Debug, Clone)]
+pub struct LogSample {
+    procs: Vec<(String, u64, u64)>,
+}
+
+impl LogSample {
+    pub fn take(procs: &[(&str, &inbox_test_support::process::Proc)]) -> LogSample {
+        LogSample {
+            procs: procs
+                .iter()
+                .map(|(name, proc)| {
+                    let (lines, bytes) = proc.printed();
+                    ((*name).to_owned(), lines, bytes)
+                })
+                .collect(),
+        }
+    }
+
+    /// What each service logged between `self` and `later`, per `units` (requests, events), the
+    /// processes of one name together: `{"ingest": {"lines_per_unit": …, "bytes_per_unit": …}, …}`.
+    pub fn per_unit(&self, later: &LogSample, units: f64) -> serde_json::Value {
+        let units = units.max(1.0);
+        let mut totals: Vec<(&str, u64, u64)> = Vec::new();
+        for ((name, lines0, bytes0), (_, lines1, bytes1)) in self.procs.iter().zip(&later.procs) {
+            let (lines, bytes) = (lines1.saturating_sub(*lines0), bytes1.saturating_sub(*bytes0));
+            match totals.iter_mut().find(|t| t.0 == name) {
+                Some(t) => (t.1, t.2) = (t.1 + lines, t.2 + bytes),
+                None => totals.push((name, lines, bytes)),
+            }
+        }
+        let mut out = serde_json::Map::new();
+        for (name, lines, bytes) in totals {
+            out.insert(
+                name.to_owned(),
+                serde_json::json!({
+                    "lines_per_unit": (lines as f64 / units * 100.0).round() / 100.0,
+                    "bytes_per_unit": (bytes as f64 / units).round(),
+                }),
+            );
+        }
+        serde_json::Value::Object(out)
+    }
+}
+
+/// A short human form of a log object ([`LogSample::per_unit`]): `logs: ingest 1.0 lines / 329 B`.
+pub fn log_summary(log: &serde_json::Value) -> String {
+    let parts: Vec<String> = log
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(name, v)| {
+            format!(
+                "{name} {:.1} lines / {:.0} B",
+                v["lines_per_unit"].as_f64().unwrap_or(0.0),
+                v["bytes_per_unit"].as_f64().unwrap_or(0.0)
+            )
+        })
+        .collect();
+    format!("logs per unit: {}", parts.join(", "))
+}
+
 /// A short human form of a CPU usage object: `postgres 95%, ingest 80%, bench 20%, machine 97%`.
 pub fn cpu_summary(cpu: &serde_json::Value) -> String {
     let mut parts = Vec::new();

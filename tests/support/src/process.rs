@@ -38,39 +38,127 @@ pub fn command(name: &str) -> Command {
 /// A running binary whose stderr (the logs) is collected line by line.
 pub struct Proc {
     pub child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
+    printed: Arc<Mutex<Printed>>,
     stdout: Arc<Mutex<Vec<String>>>,
-    rx: mpsc::Receiver<String>,
+    /// Every line, for `wait_for_line`; None for a process started with [`Proc::spawn_collected`].
+    rx: Option<mpsc::Receiver<String>>,
     /// The threads reading stdout and stderr: each ends at its stream's end, so once both ended
-    /// after the process exited, `output()` holds every line it printed.
+    /// after the process exited, `output()` holds every line it printed (or, collected, what was
+    /// kept of them).
     readers: Vec<std::thread::JoinHandle<()>>,
 }
 
+/// What a [`Proc`] keeps of its output, and how much there was.
+#[derive(Default)]
+struct Printed {
+    /// Every line; collected ([`Proc::spawn_collected`]), the lines that are not log lines at
+    /// `info` or below — warnings, errors, a panic's message — up to `keep` of them.
+    lines: Vec<String>,
+    /// Collected: the last `keep` log lines at `info` or below.
+    tail: std::collections::VecDeque<String>,
+    /// Collected: how many lines of each kind to keep. None: every line.
+    keep: Option<usize>,
+    /// Lines read and not kept.
+    dropped: u64,
+    /// Lines and bytes read (each line with its newline).
+    count: u64,
+    bytes: u64,
+}
+
+impl Printed {
+    fn push(&mut self, line: &str) {
+        self.count += 1;
+        self.bytes += line.len() as u64 + 1;
+        let Some(keep) = self.keep else {
+            self.lines.push(line.to_owned());
+            return;
+        };
+        let quiet = ["\"level\":\"INFO\"", "\"level\":\"DEBUG\"", "\"level\":\"TRACE\""]
+            .iter()
+            .any(|level| line.contains(level));
+        if !quiet {
+            if self.lines.len() < keep {
+                self.lines.push(line.to_owned());
+            } else {
+                self.dropped += 1;
+            }
+            return;
+        }
+        if self.tail.len() == keep {
+            self.tail.pop_front();
+            self.dropped += 1;
+        }
+        self.tail.push_back(line.to_owned());
+    }
+
+    fn text(&self) -> String {
+        if self.keep.is_none() {
+            return self.lines.join("\n");
+        }
+        let mut text = self.lines.join("\n");
+        if self.dropped > 0 {
+            text.push_str(&format!(
+                "\n[{} lines not kept; the last lines at info and below follow]",
+                self.dropped
+            ));
+        }
+        for line in &self.tail {
+            text.push('\n');
+            text.push_str(line);
+        }
+        text
+    }
+}
+
 impl Proc {
-    pub fn spawn(mut cmd: Command) -> Proc {
+    /// Starts `cmd` and keeps every line it prints (see [`Proc::wait_for_line`]).
+    pub fn spawn(cmd: Command) -> Proc {
+        Proc::start(cmd, None)
+    }
+
+    /// Starts `cmd` with its output read as a log collector reads it, for a process that logs a
+    /// line per request or event for minutes (a benchmark's services at the level they ship
+    /// with): every line is read and counted ([`Proc::printed`]); kept are the lines that are not
+    /// log lines at `info` or below (warnings, errors, a panic), up to `keep`, and the last `keep`
+    /// lines at `info` or below, which [`Proc::output`] shows. [`Proc::wait_for_line`] is not
+    /// available.
+    pub fn spawn_collected(cmd: Command, keep: usize) -> Proc {
+        Proc::start(cmd, Some(keep))
+    }
+
+    fn start(mut cmd: Command, keep: Option<usize>) -> Proc {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         let mut child = cmd.spawn().expect("starting the binary");
-        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let printed = Arc::new(Mutex::new(Printed { keep, ..Printed::default() }));
         let stdout: Arc<Mutex<Vec<String>>> = Arc::default();
         let (tx, rx) = mpsc::channel();
+        let tx = keep.is_none().then_some(tx);
         let mut readers = Vec::new();
         for (stream, own) in [
             (Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>, None),
             (Box::new(child.stdout.take().unwrap()), Some(stdout.clone())),
         ] {
-            let lines = lines.clone();
+            let printed = printed.clone();
             let tx = tx.clone();
             readers.push(std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    lines.lock().unwrap().push(line.clone());
+                    printed.lock().unwrap().push(&line);
                     if let Some(own) = &own {
                         own.lock().unwrap().push(line.clone());
                     }
-                    let _ = tx.send(line);
+                    if let Some(tx) = &tx {
+                        let _ = tx.send(line);
+                    }
                 }
             }));
         }
-        Proc { child, lines, stdout, rx, readers }
+        Proc { child, printed, stdout, rx: keep.is_none().then_some(rx), readers }
+    }
+
+    /// Lines and bytes the process printed so far (stdout and stderr, each line with its newline).
+    pub fn printed(&self) -> (u64, u64) {
+        let printed = self.printed.lock().unwrap();
+        (printed.count, printed.bytes)
     }
 
     /// Waits for an output line containing `needle` and returns it.
@@ -78,7 +166,8 @@ impl Proc {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
+            let rx = self.rx.as_ref().expect("wait_for_line needs a process started with Proc::spawn");
+            match rx.recv_timeout(left) {
                 Ok(line) if line.contains(needle) => return line,
                 Ok(_) => {}
                 Err(_) => {
@@ -106,9 +195,9 @@ impl Proc {
         }
     }
 
-    /// Everything printed so far (stdout and stderr).
+    /// Everything printed so far (stdout and stderr); collected, what was kept of it.
     pub fn output(&self) -> String {
-        self.lines.lock().unwrap().join("\n")
+        self.printed.lock().unwrap().text()
     }
 
     /// What was printed on stdout only.
@@ -227,4 +316,45 @@ pub fn start_worker_with_metrics(cmd: Command) -> (Proc, String) {
     let log: serde_json::Value = serde_json::from_str(&line).expect("json log line");
     let address = log["metrics"].as_str().expect("metrics field").to_owned();
     (proc, address)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_collected_process_counts_every_line_and_keeps_its_warnings_and_its_last_info_lines() {
+        // 5000 info lines, a warning among them, then a panic-like line that is not JSON.
+        let script = r#"
+            i=0
+            while [ $i -lt 5000 ]; do
+                printf '{"level":"INFO","message":"event done","n":%d}\n' $i >&2
+                if [ $i -eq 10 ]; then printf '{"level":"WARN","message":"claim failed"}\n' >&2; fi
+                i=$((i+1))
+            done
+            echo 'thread main panicked' >&2
+        "#;
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", script]);
+        let mut p = Proc::spawn_collected(cmd, 100);
+        assert!(p.wait(Duration::from_secs(60)).success());
+        let (lines, bytes) = p.printed();
+        assert_eq!(lines, 5002);
+        let info: u64 = (0..5000)
+            .map(|i| format!(r#"{{"level":"INFO","message":"event done","n":{i}}}"#).len() as u64 + 1)
+            .sum();
+        let others = r#"{"level":"WARN","message":"claim failed"}"#.len() as u64
+            + 1
+            + "thread main panicked".len() as u64
+            + 1;
+        assert_eq!(bytes, info + others);
+        let output = p.output();
+        assert!(output.contains("claim failed") && output.contains("thread main panicked"), "{output}");
+        assert!(
+            output.contains(r#""n":4999}"#) && output.contains(r#""n":4900}"#),
+            "the last 100 info lines"
+        );
+        assert!(!output.contains(r#""n":4899}"#) && !output.contains(r#""n":10}"#), "no more of them");
+        assert!(output.contains("[4900 lines not kept"), "{}", &output[..200.min(output.len())]);
+    }
 }
