@@ -59,7 +59,6 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let cpu1 = CpuSample::take(ctx.server.postmaster, &procs);
         let autovacuum = autovacuum.finish().await;
         let sent_at = Instant::now();
-        // The worker's lines for the measured rows come up to the drain's end.
         check_alive(&mut ingest, "inbox-ingest")?;
         let progress = |left: i64| ctx.say(&format!("d:   {left} rows not yet processed"));
         let (_, drained_at) =
@@ -67,6 +66,7 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
                 check_alive(&mut worker, "inbox-worker")
             })
             .await?;
+        // After the drain: the worker's lines for the measured rows come up to its end.
         let log1 = LogSample::take(&[("ingest", &ingest), ("worker", &worker)]);
         let ingest_rss = rss_kib(ingest.child.id());
         let worker_rss = rss_kib(worker.child.id());

@@ -42,14 +42,11 @@ fn defaults_text(d: &Value) -> String {
 }
 
 /// A row of what the services logged per request or event (`logs`, see `util::LogSample`), when
-/// the phase counted it: `ingest 1.0 / 282 B, worker 1.0 / 303 B`.
+/// the phase counted it.
 fn log_row(t: &mut Table, unit: &str, logs: &Value) {
-    let Some(map) = logs.as_object().filter(|m| !m.is_empty()) else { return };
-    let parts: Vec<String> = map
-        .iter()
-        .map(|(name, v)| format!("{name} {} / {} B", f(&v["lines_per_unit"], 1), f(&v["bytes_per_unit"], 0)))
-        .collect();
-    t.add(format!("     log lines / bytes per {unit}"), parts.join(", "));
+    if logs.as_object().is_some_and(|m| !m.is_empty()) {
+        t.add(format!("     log lines / bytes per {unit}"), crate::util::log_text(logs));
+    }
 }
 
 /// The entries of a JSON object keyed by numbers ("32", "256"), in numeric order.

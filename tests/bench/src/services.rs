@@ -127,8 +127,8 @@ impl Bins {
     }
 
     /// The defaults `inbox-worker run` states in its `--help` for the tuning options
-    /// (`--concurrency`, `--batch-size`, `--max-bytes-in-flight`) and the lease (`--lease`), as written there (`null` for
-    /// an option it does not have or states no default for). The command's environment is
+    /// (`--concurrency`, `--batch-size`, `--max-bytes-in-flight`) and the lease (`--lease`), as
+    /// written there (`null` for an option it does not have or states no default for). The command's environment is
     /// cleared, as for the workers the bench starts, so these are the values they run with.
     pub fn worker_defaults(&self) -> serde_json::Value {
         let help = self

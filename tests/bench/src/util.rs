@@ -266,21 +266,23 @@ impl LogSample {
     }
 }
 
-/// A short human form of a log object ([`LogSample::per_unit`]): `logs: ingest 1.0 lines / 329 B`.
-pub fn log_summary(log: &serde_json::Value) -> String {
+/// A short human form of a log object ([`LogSample::per_unit`]): `ingest 1.0 lines / 283 B`.
+pub fn log_text(log: &serde_json::Value) -> String {
     let parts: Vec<String> = log
         .as_object()
         .into_iter()
         .flatten()
         .map(|(name, v)| {
-            format!(
-                "{name} {:.1} lines / {:.0} B",
-                v["lines_per_unit"].as_f64().unwrap_or(0.0),
-                v["bytes_per_unit"].as_f64().unwrap_or(0.0)
-            )
+            let lines = v["lines_per_unit"].as_f64().unwrap_or(0.0);
+            format!("{name} {lines:.1} lines / {:.0} B", v["bytes_per_unit"].as_f64().unwrap_or(0.0))
         })
         .collect();
-    format!("logs per unit: {}", parts.join(", "))
+    parts.join(", ")
+}
+
+/// [`log_text`] for a progress line: `logs per unit: ingest 1.0 lines / 283 B`.
+pub fn log_summary(log: &serde_json::Value) -> String {
+    format!("logs per unit: {}", log_text(log))
 }
 
 /// A short human form of a CPU usage object: `postgres 95%, ingest 80%, bench 20%, machine 97%`.
