@@ -207,9 +207,9 @@ pub struct Args {
     #[arg(long, allow_hyphen_values = true)]
     ingest_arg: Vec<String>,
     /// `RUST_LOG` of every service the bench starts. The default is the level the deploy files
-    /// set and the binaries use without one: a JSON line per webhook (ingest) and per event
-    /// (worker), read as a log collector on the same machine reads them (see
-    /// `Proc::spawn_collected`). `warn` measures the services without those lines.
+    /// set and the binaries use without one: a JSON line per webhook (ingest), per event (worker)
+    /// and per delivery (relay), read from a pipe and counted as a log collector on the same
+    /// machine would. `warn` measures the services without those lines.
     #[arg(long, default_value = "info")]
     service_log: String,
     /// pgbench -j.
