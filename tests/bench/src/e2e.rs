@@ -72,16 +72,33 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let worker_rss = rss_kib(worker.child.id());
         stop(&mut ingest, Duration::from_secs(10)).await;
         stop(&mut worker, Duration::from_secs(30)).await;
+        // Where the time goes, besides the total: from the insert's transaction to the claim's, and
+        // from the claim's to the process transaction's (`processed_at`). The claim's start is its
+        // lease's end less the lease, the worker's default (the bench passes no --lease), for rows
+        // claimed once.
+        let lease = ctx.worker_defaults["lease"]
+            .as_str()
+            .and_then(|l| humantime::parse_duration(l).ok())
+            .context("inbox-worker run --help states no default --lease")?;
         let rows = simple_rows(
             &client,
-            "SELECT count(*),
-                    count(*) FILTER (WHERE left(event_id, 6) = 'evt_m_'),
-                    percentile_cont(ARRAY[0.5, 0.9, 0.99, 0.999]) WITHIN GROUP (ORDER BY
-                        extract(epoch FROM processed_at - received_at) * 1000)
-                        FILTER (WHERE left(event_id, 6) = 'evt_m_'),
-                    max(extract(epoch FROM processed_at - received_at) * 1000) FILTER (WHERE left(event_id, 6) = 'evt_m_'),
-                    (SELECT count(*) FROM ledger_entries)
-               FROM webhook_inbox",
+            &format!(
+                "SELECT count(*),
+                        count(*) FILTER (WHERE left(event_id, 6) = 'evt_m_'),
+                        percentile_cont(ARRAY[0.5, 0.9, 0.99, 0.999]) WITHIN GROUP (ORDER BY
+                            extract(epoch FROM processed_at - received_at) * 1000)
+                            FILTER (WHERE left(event_id, 6) = 'evt_m_'),
+                        max(extract(epoch FROM processed_at - received_at) * 1000) FILTER (WHERE left(event_id, 6) = 'evt_m_'),
+                        (SELECT count(*) FROM ledger_entries),
+                        percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY
+                            extract(epoch FROM available_at - make_interval(secs => {lease}) - received_at) * 1000)
+                            FILTER (WHERE left(event_id, 6) = 'evt_m_' AND attempts = 1),
+                        percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY
+                            extract(epoch FROM processed_at - (available_at - make_interval(secs => {lease}))) * 1000)
+                            FILTER (WHERE left(event_id, 6) = 'evt_m_' AND attempts = 1)
+                   FROM webhook_inbox",
+                lease = lease.as_secs_f64()
+            ),
         )
         .await?;
         // Per second of receipt: a p99 over the target from one stall of the machine shows as one
@@ -96,42 +113,23 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
               ORDER BY floor(extract(epoch FROM received_at - t0))",
         )
         .await?;
-        // Where the time goes: from the insert's transaction to the claim's, and from the claim's to
-        // the process transaction's (`processed_at`). The claim's start is its lease's end less
-        // the lease, the worker's default (the bench passes no --lease), for rows claimed once.
-        let lease = ctx.worker_defaults["lease"]
-            .as_str()
-            .and_then(|l| humantime::parse_duration(l).ok())
-            .context("inbox-worker run --help states no default --lease")?;
-        let stages = simple_rows(
-            &client,
-            &format!(
-                "WITH m AS (SELECT available_at - make_interval(secs => {}) AS claimed_at, received_at, processed_at
-                              FROM webhook_inbox WHERE left(event_id, 6) = 'evt_m_' AND attempts = 1)
-                 SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY extract(epoch FROM claimed_at - received_at) * 1000),
-                        percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY extract(epoch FROM processed_at - claimed_at) * 1000)
-                   FROM m",
-                lease.as_secs_f64()
-            ),
-        )
-        .await?;
-        let pair = |i: usize| -> Vec<f64> {
-            stages[0][i].trim_matches(|c| c == '{' || c == '}').split(',').filter_map(|v| v.parse().ok()).collect()
+        let per_second: Vec<(f64, f64)> =
+            seconds.iter().filter_map(|r| Some((r[0].parse().ok()?, r[1].parse().ok()?))).collect();
+        let r = &rows[0];
+        // A PostgreSQL array in text form, `{1.5,2}`.
+        let floats = |text: &str| -> Vec<f64> {
+            text.trim_matches(|c| c == '{' || c == '}').split(',').filter_map(|v| v.parse().ok()).collect()
         };
-        let (to_claim, to_process) = (pair(0), pair(1));
+        let total: i64 = r[0].parse()?;
+        let measured_rows: i64 = r[1].parse()?;
+        let pct = floats(&r[2]);
+        ensure!(pct.len() == 4, "no receive-to-processed percentiles (no rows?)");
+        let (to_claim, to_process) = (floats(&r[5]), floats(&r[6]));
         ensure!(to_claim.len() == 2 && to_process.len() == 2, "no stage percentiles (no rows claimed once?)");
         ctx.say(&format!(
             "d:   p50 / p99 ms: receive→claim {:.1} / {:.1}, claim→process {:.1} / {:.1}",
             to_claim[0], to_claim[1], to_process[0], to_process[1]
         ));
-        let per_second: Vec<(f64, f64)> =
-            seconds.iter().filter_map(|r| Some((r[0].parse().ok()?, r[1].parse().ok()?))).collect();
-        let r = &rows[0];
-        let total: i64 = r[0].parse()?;
-        let measured_rows: i64 = r[1].parse()?;
-        let pct: Vec<f64> =
-            r[2].trim_matches(|c| c == '{' || c == '}').split(',').filter_map(|v| v.parse().ok()).collect();
-        ensure!(pct.len() == 4, "no receive-to-processed percentiles (no rows?)");
         let max_ms: f64 = r[3].parse().unwrap_or(f64::NAN);
         let ledger: i64 = r[4].parse()?;
         let total_ok = load.measured.ok + warm_load.as_ref().map_or(0, |w| w.measured.ok);

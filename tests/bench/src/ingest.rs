@@ -68,8 +68,9 @@ pub async fn run(ctx: &Ctx, conns: usize, pgbench_tps: Option<f64>) -> anyhow::R
         let sent = (load.warmup.ok + load.warmup.non_2xx + load.measured.ok + load.measured.non_2xx).max(1) as f64;
         let rows: i64 = client.query_one("SELECT count(*) FROM webhook_inbox", &[]).await?.get(0);
         let (taken, signed_live) = requests.taken();
-        let cpu = cpu0.usage(&cpu1, Some((load.measured.ok + load.measured.non_2xx) as f64));
-        let logs = log0.per_unit(&log1, (load.measured.ok + load.measured.non_2xx) as f64);
+        let answered = (load.measured.ok + load.measured.non_2xx) as f64;
+        let cpu = cpu0.usage(&cpu1, Some(answered));
+        let logs = log0.per_unit(&log1, answered);
         let rate = load.rate();
         ctx.say(&format!(
             "b: {rate:.0} req/s, p50 {:.1} ms, p99 {:.1} ms, non-2xx {}, unanswered {}, rows {rows} / 2xx {}, \
