@@ -411,9 +411,16 @@ async fn every_stripe_event_type_from_stripes_fixtures_is_stored_and_processed_i
         updated >= 2 * sent,
         "{updated} updates of webhook_inbox counted, a claim and a mark per event expected"
     );
-    assert_eq!(hot, updated, "updates of webhook_inbox that were HOT, of all {updated}");
+    // A retry (a handler's transaction that failed, under a loaded machine) writes the failure and
+    // claims again: those versions need not fit on the page. None is expected here.
+    let retried = scalar(&client, "SELECT count(*) FROM webhook_inbox WHERE attempts > 1").await;
+    assert!(
+        updated - hot <= 3 * retried,
+        "{} of {updated} updates of webhook_inbox not HOT, with {retried} rows retried",
+        updated - hot
+    );
     eprintln!(
-        "{sent} events stored and processed, none parked, {updated} updates all HOT, in {:?}",
+        "{sent} events stored and processed, none parked, {hot} of {updated} updates HOT, in {:?}",
         started.elapsed()
     );
 }
