@@ -91,10 +91,9 @@ impl Printed {
         self.tail.push_back(line.to_owned());
     }
 
+    /// The lines kept, in order; collected, then a note of how many were not and the tail (both
+    /// empty for a process whose every line is kept).
     fn text(&self) -> String {
-        if self.keep.is_none() {
-            return self.lines.join("\n");
-        }
         let mut text = self.lines.join("\n");
         if self.dropped > 0 {
             text.push_str(&format!(
@@ -131,8 +130,14 @@ impl Proc {
         let mut child = cmd.spawn().expect("starting the binary");
         let printed = Arc::new(Mutex::new(Printed { keep, ..Printed::default() }));
         let stdout: Arc<Mutex<Vec<String>>> = Arc::default();
-        let (tx, rx) = mpsc::channel();
-        let tx = keep.is_none().then_some(tx);
+        // Every line goes to `wait_for_line` too, unless collected.
+        let (tx, rx) = match keep {
+            None => {
+                let (tx, rx) = mpsc::channel();
+                (Some(tx), Some(rx))
+            }
+            Some(_) => (None, None),
+        };
         let mut readers = Vec::new();
         for (stream, own) in [
             (Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>, None),
@@ -152,7 +157,7 @@ impl Proc {
                 }
             }));
         }
-        Proc { child, printed, stdout, rx: keep.is_none().then_some(rx), readers }
+        Proc { child, printed, stdout, rx, readers }
     }
 
     /// Lines and bytes the process printed so far (stdout and stderr, each line with its newline).
