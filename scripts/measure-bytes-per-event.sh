@@ -19,12 +19,8 @@ set -euo pipefail
 count=${1:-2000}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bin=${INBOX_WORKER:-$root/target/release/inbox-worker}
-db=inbox_bytes_$$
-admin=$DATABASE_URL
-url=${admin%/*}/$db
-psql -qAt "$admin" -c "CREATE DATABASE $db" >/dev/null
-trap 'psql -qAt "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null' EXIT
-DATABASE_URL=$url LOG_FORMAT=json RUST_LOG=warn "$bin" migrate >/dev/null
+. "$root/scripts/scratch-db.sh"
+scratch_db "inbox_bytes_$$" "$bin"
 python3 - "$root/tests/fixtures/stripe-openapi/fixtures.json" "$count" <<'PY' | psql -qX -v ON_ERROR_STOP=1 "$url"
 import json, sys
 

@@ -8,11 +8,10 @@ rows=${1:-10000} concurrency=${2:-256} processes=${3:-1}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bin=$root/target/release
 db=inbox_drain_$$
-admin=$DATABASE_URL
-url=${admin%/*}/$db
-psql -qAt "$admin" -c "CREATE DATABASE $db" >/dev/null
-trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; psql -qAt "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null' EXIT
-DATABASE_URL=$url "$bin/inbox-worker" migrate >/dev/null
+. "$root/scripts/scratch-db.sh"
+# The workers still running when the script stops (an error, ^C) go before their database.
+scratch_db_on_exit() { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
+scratch_db "$db" "$bin/inbox-worker"
 psql -qAt "$url" <<SQL
 INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
 SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid',

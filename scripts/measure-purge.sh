@@ -23,11 +23,8 @@ recent=${recent:-$((rows / 10))}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bin=${INBOX_WORKER:-$root/target/release/inbox-worker}
 db=inbox_purge_$$
-admin=$DATABASE_URL
-url=${admin%/*}/$db
-psql -qAt "$admin" -c "CREATE DATABASE $db" >/dev/null
-trap 'psql -qAt "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null' EXIT
-DATABASE_URL=$url LOG_FORMAT=json RUST_LOG=warn "$bin" migrate >/dev/null
+. "$root/scripts/scratch-db.sh"
+scratch_db "$db" "$bin"
 if [[ -n ${DB_SET:-} ]]; then
     psql -qAt "$admin" -c "ALTER DATABASE $db SET ${DB_SET%%=*} = '${DB_SET#*=}'" >/dev/null
 fi
