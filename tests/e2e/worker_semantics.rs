@@ -968,6 +968,73 @@ async fn a_batch_leased_or_processed_in_one_statement_keeps_the_queue_table_in_o
     assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
 }
 
+/// The queue table's triggers never compile a statement with JIT, whatever its plan is estimated to
+/// cost. At a steady few thousand events a second the queue's primary key grows to thousands of
+/// pages within autovacuum's minute while its last vacuum counted a few dozen live entries, so the
+/// planner costs each of a mark's key probes at thousands of page reads; a mark of 64 rows then
+/// passed `jit_above_cost`, and each one spent ~50 ms compiling a delete that reads ~200 buffers
+/// (the workers fell seconds behind for a third of each minute). Here the session has JIT compile
+/// everything (`jit_above_cost = 0`) and `auto_explain` sends every statement's plan, the
+/// triggers' included, to the client: the session's own statements are compiled, none of the
+/// triggers' is — through a store, a lease, a mark, a delete and a truncate.
+#[tokio::test]
+async fn the_queue_tables_triggers_never_compile_their_statements_with_jit_however_costly_they_look() {
+    use futures_util::StreamExt as _;
+    use tokio_postgres::AsyncMessage;
+    let db = TestDb::new().await;
+    let (client, mut connection) =
+        tokio_postgres::connect(&db.url(), tokio_postgres::NoTls).await.expect("connecting to PostgreSQL");
+    let (plans_tx, mut plans) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let AsyncMessage::Notice(notice) = message {
+                let _ = plans_tx.send(notice.message().to_owned());
+            }
+        }
+    });
+    let available: bool = client.query_one("SELECT pg_jit_available()", &[]).await.unwrap().get(0);
+    assert!(available, "this test needs a server with JIT (Debian's postgresql-15 has llvmjit)");
+    client
+        .batch_execute(
+            "LOAD 'auto_explain';
+             SET auto_explain.log_min_duration = 0; SET auto_explain.log_nested_statements = on;
+             SET client_min_messages = log; SET jit_above_cost = 0",
+        )
+        .await
+        .unwrap();
+    let steps = [
+        "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+         SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid', '{}' FROM generate_series(1, 64) i",
+        "UPDATE webhook_inbox SET available_at = now() + interval '2 min', attempts = attempts + 1",
+        "UPDATE webhook_inbox SET processed_at = now() WHERE event_id <> 'evt_1'",
+        "DELETE FROM webhook_inbox WHERE event_id = 'evt_1'",
+        "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload)
+         VALUES ('stripe', 'billing', 'evt_x', 'invoice.paid', '{}')",
+        "TRUNCATE webhook_inbox",
+    ];
+    for step in steps {
+        client.batch_execute(step).await.unwrap();
+    }
+    client.batch_execute("SELECT 1").await.unwrap();
+    let mut triggers = Vec::new();
+    let mut compiled_own = 0;
+    while let Ok(plan) = plans.try_recv() {
+        let Some(text) = plan.split("Query Text: ").nth(1) else { continue };
+        if text.contains("webhook_inbox_queue") {
+            triggers.push(plan);
+        } else if plan.contains("JIT:") {
+            compiled_own += 1;
+        }
+    }
+    assert!(compiled_own >= steps.len() - 1, "the session's own statements are compiled ({compiled_own})");
+    // The store's enter, the lease's upsert, the mark's delete, the delete's leave, the truncate's clear.
+    assert!(triggers.len() >= 5, "the triggers' statements reported: {triggers:#?}");
+    let compiled: Vec<&String> = triggers.iter().filter(|plan| plan.contains("JIT:")).collect();
+    assert!(compiled.is_empty(), "trigger statements compiled with JIT:\n{compiled:#?}");
+    assert_eq!(scalar(&client, "SELECT count(*) FROM webhook_inbox_queue").await, 0);
+}
+
 /// Planned for their arguments (the worker sends them unnamed), the claims (of every type, and of
 /// some types), the lock and the mark find a batch's rows through the queue's index (and each
 /// one's inbox row by its key) or by TID on a queue of 20k rows that autovacuum has not analysed
