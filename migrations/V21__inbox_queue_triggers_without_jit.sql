@@ -9,10 +9,10 @@
 -- the claim's non-HOT update) and vacuum frees them only once a minute: at a steady few thousand
 -- events a second the index reaches thousands of pages within the minute while the last vacuum
 -- counted a few dozen live entries, so each probe is costed at ~2000 (some 500 random page
--- reads), and a mark of 64 rows passed the threshold. Every mark then compiled its delete: 40-67 ms for a
--- statement that reads ~200 buffers. In one run of `bench --phases d --e2e-rate 3500 --duration
--- 150s` the workers fell up to 4.5 s behind for 20 s (docs/performance.md, "JIT in the queue's
--- triggers").
+-- reads), and a mark of 64 rows passed the threshold. Every mark then compiled its delete: 40-67
+-- ms for a statement that reads ~200 buffers. In one run of `bench --phases d --e2e-rate 3500
+-- --duration 150s` the workers fell up to 4.5 s behind for 20 s (docs/performance.md, "JIT in the
+-- queue's triggers").
 --
 -- Every statement the triggers run is a few index probes or a short scan of the rows a statement
 -- changed: none gains from compilation, and every writer of webhook_inbox runs them inside its

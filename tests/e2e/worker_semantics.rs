@@ -971,9 +971,9 @@ async fn a_batch_leased_or_processed_in_one_statement_keeps_the_queue_table_in_o
 /// The queue table's triggers never compile a statement with JIT, whatever its plan is estimated to
 /// cost. At a steady few thousand events a second the queue's primary key grows to thousands of
 /// pages within autovacuum's minute while its last vacuum counted a few dozen live entries, so the
-/// planner costs each of a mark's key probes at thousands of page reads; a mark of 64 rows then
-/// passed `jit_above_cost`, and each one spent ~50 ms compiling a delete that reads ~200 buffers
-/// (the workers fell seconds behind for a third of each minute). Here the session has JIT compile
+/// planner costs each of a mark's key probes at ~2000; a mark of 64 rows then passed
+/// `jit_above_cost`, and each one spent 40–67 ms compiling a delete that reads ~200 buffers (in
+/// one 150-second run the workers fell 4.5 s behind for 20 s). Here the session has JIT compile
 /// everything (`jit_above_cost = 0`) and `auto_explain` sends every statement's plan, the
 /// triggers' included, to the client: the session's own statements are compiled, none of the
 /// triggers' is — through a store, a lease, a mark, a delete and a truncate.
