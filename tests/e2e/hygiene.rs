@@ -1,6 +1,7 @@
 //! Connection hygiene and bounded damage: pools recover from every fault kind without a restart,
 //! a cancelled request or event never hands back a connection inside a transaction, transaction-
-//! local limits do not leak, and lock / idle-in-transaction timeouts fire and are recorded.
+//! local limits do not leak, lock / idle-in-transaction timeouts fire and are recorded, and the
+//! pipeline's writes ask the kernel for write-back unless an operator chose otherwise.
 
 use std::time::Duration;
 
@@ -161,16 +162,88 @@ async fn transaction_local_limits_do_not_leak_into_the_next_transaction() {
     let row = again
         .query_one(
             "SELECT pg_backend_pid(), current_setting('statement_timeout'), current_setting('lock_timeout'),
-                    current_setting('idle_in_transaction_session_timeout')",
+                    current_setting('idle_in_transaction_session_timeout'),
+                    current_setting('backend_flush_after')",
             &[],
         )
         .await
         .unwrap();
     assert_eq!(row.get::<_, i32>(0), pid, "same connection");
     assert_eq!(
-        (row.get::<_, String>(1), row.get::<_, String>(2), row.get::<_, String>(3)),
-        ("0".into(), "0".into(), "0".into())
+        (row.get::<_, String>(1), row.get::<_, String>(2), row.get::<_, String>(3), row.get::<_, String>(4)),
+        ("0".into(), "0".into(), "0".into(), "0".into())
     );
+}
+
+/// A pool whose sessions ask for write-back themselves, as the ingest's does when it connects
+/// directly.
+fn ingest_like_pool(db: &TestDb) -> deadpool_postgres::Pool {
+    inbox_domain::db::build_pool(
+        &db.config().into(),
+        &inbox_domain::db::PoolOptions {
+            max_size: 1,
+            timeout: Duration::from_secs(10),
+            application_name: "inbox-test",
+            session_statement_timeout: Some(Duration::from_secs(5)),
+            session_write_back: true,
+            verify_on_checkout: true,
+        },
+    )
+    .unwrap()
+}
+
+/// `backend_flush_after` as `client` (a session, or a transaction in one) sees it now.
+async fn flush_after(client: &impl deadpool_postgres::GenericClient) -> String {
+    client.query_one("SELECT current_setting('backend_flush_after')", &[]).await.unwrap().get(0)
+}
+
+/// Why the pipeline asks for it: `store::SESSION_WRITE_BACK_SQL`. Behind a transaction pooler only
+/// the transactions' own setting applies, and it must end with them.
+#[tokio::test]
+async fn the_pipelines_writes_ask_for_write_back_where_the_server_leaves_it_at_0_and_keep_a_value_chosen_for_it(
+) {
+    use inbox_domain::inbox::store::{set_limits, TransactionLimits, WRITE_BACK};
+    let limits = TransactionLimits {
+        statement_timeout: Duration::from_secs(5),
+        lock_timeout: Duration::from_secs(2),
+        idle_timeout: Duration::from_secs(5),
+    };
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    assert_eq!(
+        flush_after(&pool(&db, 1).get().await.unwrap()).await,
+        "0",
+        "the test cluster keeps PostgreSQL's default"
+    );
+    assert_eq!(WRITE_BACK, "256kB");
+
+    // The ingest connected directly: the whole session.
+    let direct = ingest_like_pool(&db);
+    assert_eq!(flush_after(&direct.get().await.unwrap()).await, WRITE_BACK);
+    // Every transaction with the limits (the worker's, and each one behind a pooler): for the
+    // transaction, and then the session's own value again.
+    let plain = pool(&db, 1);
+    let mut conn = plain.get().await.unwrap();
+    assert_eq!(flush_after(&conn).await, "0");
+    let tx = conn.transaction().await.unwrap();
+    set_limits(&tx, &limits).await.unwrap();
+    assert_eq!(flush_after(&tx).await, WRITE_BACK);
+    tx.commit().await.unwrap();
+    assert_eq!(flush_after(&conn).await, "0");
+
+    // A value an operator chose for the database (or the role, or the server) is kept by both.
+    client
+        .batch_execute(&format!("ALTER DATABASE \"{}\" SET backend_flush_after = '1MB'", db.name))
+        .await
+        .unwrap();
+    let direct = ingest_like_pool(&db);
+    assert_eq!(flush_after(&direct.get().await.unwrap()).await, "1MB");
+    let plain = pool(&db, 1);
+    let mut conn = plain.get().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
+    set_limits(&tx, &limits).await.unwrap();
+    assert_eq!(flush_after(&tx).await, "1MB");
+    tx.commit().await.unwrap();
 }
 
 fn stalls_mid_transaction<'a>(

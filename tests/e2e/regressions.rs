@@ -415,6 +415,7 @@ fn named_pool(db: &TestDb, name: &'static str) -> deadpool_postgres::Pool {
             timeout: Duration::from_secs(10),
             application_name: name,
             session_statement_timeout: None,
+            session_write_back: false,
             verify_on_checkout: true,
         },
     )

@@ -758,6 +758,7 @@ fn fifty_events_over_four_concurrent_workers_are_each_booked_once_in_one_attempt
                             timeout: Duration::from_secs(10),
                             application_name: "inbox-test",
                             session_statement_timeout: None,
+                            session_write_back: false,
                             verify_on_checkout: true,
                         },
                     )

@@ -165,6 +165,8 @@ impl Application {
                 // sets it per transaction instead (see store::ingest::insert_events).
                 session_statement_timeout: (settings.database.pooler == Pooler::None)
                     .then_some(settings.db_timeout),
+                // The same way: per session directly, with the limits behind a pooler.
+                session_write_back: settings.database.pooler == Pooler::None,
                 verify_on_checkout: true,
             },
         )?;

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use inbox_domain::db::{
-    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig, PoolOptions,
+    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig,
+    PoolOptions, Pooler,
 };
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::{gauges, reconciliation, workers};
@@ -147,6 +148,9 @@ where
             timeout: db_timeout,
             application_name: "inbox-worker",
             session_statement_timeout: None,
+            // Directly, the whole session writes with write-back (its transactions with limits do
+            // anyway, behind a pooler too): see store::SESSION_WRITE_BACK_SQL.
+            session_write_back: settings.database.pooler == Pooler::None,
             // Every use below is bounded by a deadline (`Context::db_timeout`, the executor's
             // `Limits::deadline`) and a connection is discarded after any error, so the round
             // trip a verification costs on every checkout buys nothing here.

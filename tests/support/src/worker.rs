@@ -80,6 +80,7 @@ pub fn pool(db: &TestDb, size: usize) -> deadpool_postgres::Pool {
             timeout: Duration::from_secs(10),
             application_name: "inbox-test",
             session_statement_timeout: None,
+            session_write_back: false,
             verify_on_checkout: true,
         },
     )

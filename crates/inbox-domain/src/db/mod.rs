@@ -278,6 +278,12 @@ pub struct PoolOptions {
     /// behind a transaction pooler a session setting would reach other clients' transactions, so
     /// there the callers set their limits per transaction and leave this None.
     pub session_statement_timeout: Option<Duration>,
+    /// Run [`crate::inbox::store::SESSION_WRITE_BACK_SQL`] right after a connection opens, so
+    /// that every write of the session asks the kernel for write-back, those outside the
+    /// transactions that set their limits too (the ingest's autocommit insert). Why the pipeline
+    /// asks for it is in that statement's doc. Same condition as `session_statement_timeout`: the
+    /// session must be the caller's own.
+    pub session_write_back: bool,
     /// Run an empty query on every checkout (`Verified` recycling) instead of only checking that
     /// the connection is not known to be closed (`Fast`). Verified notices a connection the
     /// network dropped silently before it is used, at one round trip per checkout; callers that
@@ -324,8 +330,15 @@ pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Resu
         if opts.verify_on_checkout { RecyclingMethod::Verified } else { RecyclingMethod::Fast };
     let manager = Manager::from_connect(pg, PoolConnector(database), ManagerConfig { recycling_method });
     let mut builder = Pool::builder(manager);
+    let mut session = Vec::new();
     if let Some(timeout) = opts.session_statement_timeout {
-        let set = format!("SET statement_timeout = {}", timeout.as_millis().max(1));
+        session.push(format!("SET statement_timeout = {}", timeout.as_millis().max(1)));
+    }
+    if opts.session_write_back {
+        session.push(crate::inbox::store::SESSION_WRITE_BACK_SQL.to_owned());
+    }
+    if !session.is_empty() {
+        let set = session.join("; ");
         builder = builder.post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
             let set = set.clone();
             Box::pin(async move {

@@ -163,6 +163,7 @@ impl Application {
                 timeout: Duration::from_secs(10),
                 application_name: APPLICATION_NAME,
                 session_statement_timeout: None,
+                session_write_back: false,
                 verify_on_checkout: true,
             },
         )?;

@@ -251,6 +251,7 @@ async fn connect(database: DatabaseConfig) -> anyhow::Result<Object> {
             timeout: Duration::from_secs(10),
             application_name: APPLICATION_NAME,
             session_statement_timeout: None,
+            session_write_back: false,
             verify_on_checkout: true,
         },
     )?;

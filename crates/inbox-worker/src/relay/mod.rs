@@ -346,6 +346,9 @@ where
             timeout: db_timeout,
             application_name: "inbox-relay",
             session_statement_timeout: None,
+            // Directly, the whole session writes with write-back (its transactions with limits do
+            // anyway, behind a pooler too): see store::SESSION_WRITE_BACK_SQL.
+            session_write_back: settings.database.pooler == Pooler::None,
             verify_on_checkout: false,
         },
     )?;
