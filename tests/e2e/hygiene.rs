@@ -175,9 +175,9 @@ async fn transaction_local_limits_do_not_leak_into_the_next_transaction() {
     );
 }
 
-/// A pool whose sessions ask for write-back themselves, as the ingest's does when it connects
-/// directly.
-fn ingest_like_pool(db: &TestDb) -> deadpool_postgres::Pool {
+/// A pool whose sessions ask for write-back themselves, as the ingest's, the worker's and the
+/// relay's do when they connect directly.
+fn direct_pool(db: &TestDb) -> deadpool_postgres::Pool {
     inbox_domain::db::build_pool(
         &db.config().into(),
         &inbox_domain::db::PoolOptions {
@@ -217,8 +217,8 @@ async fn the_pipelines_writes_ask_for_write_back_where_the_server_leaves_it_at_0
     );
     assert_eq!(WRITE_BACK, "256kB");
 
-    // The ingest connected directly: the whole session.
-    let direct = ingest_like_pool(&db);
+    // Connected directly: the whole session.
+    let direct = direct_pool(&db);
     assert_eq!(flush_after(&direct.get().await.unwrap()).await, WRITE_BACK);
     // Every transaction with the limits (the worker's, and each one behind a pooler): for the
     // transaction, and then the session's own value again.
@@ -236,7 +236,7 @@ async fn the_pipelines_writes_ask_for_write_back_where_the_server_leaves_it_at_0
         .batch_execute(&format!("ALTER DATABASE \"{}\" SET backend_flush_after = '1MB'", db.name))
         .await
         .unwrap();
-    let direct = ingest_like_pool(&db);
+    let direct = direct_pool(&db);
     assert_eq!(flush_after(&direct.get().await.unwrap()).await, "1MB");
     let plain = pool(&db, 1);
     let mut conn = plain.get().await.unwrap();
