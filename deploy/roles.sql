@@ -247,4 +247,16 @@ END
 $console$;
 GRANT SELECT (id, at, actor, action, target, affected) ON public.operator_audit TO inbox_console;
 
+-- Write-back for every session of this database, autovacuum's included, where nobody chose a value
+-- for the server, the database or this role: what migration V22 does when the migrating role may
+-- change the database's settings, done here for databases migrated by one that may not (a table
+-- owner such as inbox_owner). See docs/operations.md, "Scaling". A value already chosen is kept.
+DO $write_back$
+BEGIN
+    IF (SELECT source FROM pg_settings WHERE name = 'backend_flush_after') = 'default' THEN
+        EXECUTE format('ALTER DATABASE %I SET backend_flush_after = %L', current_database(), '256kB');
+    END IF;
+END
+$write_back$;
+
 RESET search_path;

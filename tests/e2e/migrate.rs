@@ -119,3 +119,60 @@ async fn every_binary_names_a_schema_behind_it_and_what_to_run() {
     let ready = reqwest::get(format!("{base}/readyz")).await.unwrap();
     assert_eq!(ready.status().as_u16(), 503);
 }
+
+/// The database's own `backend_flush_after`, as `ALTER DATABASE … SET` left it (None: unset).
+async fn database_flush_after(db: &TestDb) -> Option<String> {
+    let settings: Vec<Vec<String>> = column(
+        &db.client().await,
+        "SELECT s.setconfig FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase \
+          WHERE d.datname = current_database() AND s.setrole = 0",
+    )
+    .await;
+    settings.concat().iter().find_map(|s| s.strip_prefix("backend_flush_after=").map(str::to_owned))
+}
+
+/// V22: where nobody chose `backend_flush_after`, `migrate` gives the database the pipeline's
+/// write-back, which every later session of the database starts with (autovacuum's workers too:
+/// they read the database's settings as any session does). A value chosen for the database is
+/// kept, and a migrating role that may not change the database's settings (a table owner such as
+/// deploy/roles.sql's inbox_owner) still migrates the whole schema, the setting then left to
+/// deploy/roles.sql.
+#[tokio::test]
+async fn migrate_gives_the_database_write_back_where_nobody_chose_a_value_and_keeps_a_chosen_one() {
+    use inbox_domain::inbox::store::WRITE_BACK;
+
+    let unset = TestDb::empty().await;
+    schema::migrate(&mut unset.client().await, None).await.unwrap();
+    assert_eq!(database_flush_after(&unset).await.as_deref(), Some(WRITE_BACK));
+    let client = unset.client().await;
+    let session: Vec<String> = column(&client, "SELECT current_setting('backend_flush_after')").await;
+    assert_eq!(session, [WRITE_BACK], "a new session of the database starts with it");
+
+    let chosen = TestDb::empty().await;
+    let client = chosen.client().await;
+    client
+        .batch_execute(&format!("ALTER DATABASE \"{}\" SET backend_flush_after = '1MB'", chosen.name))
+        .await
+        .unwrap();
+    schema::migrate(&mut chosen.client().await, None).await.unwrap();
+    assert_eq!(database_flush_after(&chosen).await.as_deref(), Some("1MB"));
+
+    let not_owner = TestDb::empty().await;
+    let mut client = not_owner.client().await;
+    client
+        .batch_execute(
+            "DO $$ BEGIN CREATE ROLE inbox_test_table_owner; \
+                   EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$; \
+             GRANT CREATE ON SCHEMA public TO inbox_test_table_owner; \
+             SET ROLE inbox_test_table_owner",
+        )
+        .await
+        .unwrap();
+    let reports = schema::migrate(&mut client, None).await.unwrap();
+    assert_eq!(reports[0].version, expected_version());
+    assert_eq!(database_flush_after(&not_owner).await, None);
+    // deploy/roles.sql, which a superuser applies after such a migration, sets it there.
+    let admin = not_owner.client().await;
+    admin.batch_execute(include_str!("../../deploy/roles.sql")).await.expect("applying deploy/roles.sql");
+    assert_eq!(database_flush_after(&not_owner).await.as_deref(), Some(WRITE_BACK));
+}

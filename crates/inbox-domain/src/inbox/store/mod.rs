@@ -264,6 +264,11 @@ pub const WRITE_BACK: &str = write_back!();
 /// Run once per connection where the session is the caller's own (the ingest, the worker and the
 /// relay connected directly); behind a transaction pooler each transaction sets it with its limits
 /// ([`SET_LIMITS_SQL`]) instead, so that nothing reaches another client's.
+///
+/// `migrate` gives the database the same value where nobody chose one (migration V22), and every
+/// session of the database then starts with it, autovacuum's workers included, which no session
+/// statement reaches. These statements cover the pipeline where the database's value could not be
+/// set (a migrating role that neither owns the database nor is a superuser).
 pub const SESSION_WRITE_BACK_SQL: &str = concat!(
     "SELECT set_config('backend_flush_after', '",
     write_back!(),
