@@ -61,6 +61,44 @@ fn migrate_without_a_database_exits_1_and_says_why() {
     assert!(output.contains("DATABASE_URL"), "{output}");
 }
 
+/// What a migration leaves undone and says with RAISE NOTICE reaches the operator on stdout, with
+/// the statement that finishes it: V22 run by a role that owns its tables but not the database.
+/// PostgreSQL's "already exists, skipping" (refinery's history table, on every run) is not
+/// repeated to them.
+#[tokio::test]
+async fn migrate_prints_what_a_migration_left_undone_and_the_statement_that_finishes_it() {
+    let db = TestDb::empty().await;
+    db.client()
+        .await
+        .batch_execute(
+            "DO $$ BEGIN CREATE ROLE inbox_test_migrator LOGIN; \
+                   EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$; \
+             GRANT CREATE ON SCHEMA public TO inbox_test_migrator",
+        )
+        .await
+        .unwrap();
+    let (scheme, rest) = db.url().split_once("://").map(|(s, r)| (s.to_owned(), r.to_owned())).unwrap();
+    let host = rest.split_once('@').map_or(rest.as_str(), |(_, host)| host).to_owned();
+    let as_migrator = format!("{scheme}://inbox_test_migrator@{host}");
+
+    let (code, output) = run(migrate(&as_migrator), Duration::from_secs(60));
+    assert_eq!(code, 0, "{output}");
+    let name = &db.name;
+    let applied = output.find("applied V22 database_write_back").expect(&output);
+    let notice = output
+        .find(&format!(
+            "NOTICE:  backend_flush_after is left unset for database {name}: only its owner or a superuser may \
+             set it. As one of them: ALTER DATABASE {name} SET backend_flush_after = '256kB'"
+        ))
+        .expect(&output);
+    assert!(applied < notice, "after the versions applied: {output}");
+    assert!(!output.contains("skipping"), "{output}");
+
+    let (code, output) = run(migrate(&as_migrator), Duration::from_secs(60));
+    assert_eq!(code, 0, "{output}");
+    assert!(output.contains("up to date") && !output.contains("NOTICE"), "{output}");
+}
+
 #[tokio::test]
 async fn a_failing_application_migration_names_itself_and_the_servers_reason_and_keeps_the_inbox_schema() {
     let db = TestDb::empty().await;

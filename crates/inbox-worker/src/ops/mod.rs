@@ -36,6 +36,7 @@ use clap::Args;
 use deadpool_postgres::Object;
 use inbox_domain::db::{build_pool, describe_pool_error, DatabaseConfig, PoolOptions, Pooler};
 use inbox_domain::handler::Registry;
+use inbox_domain::inbox::schema::{self, SchemaState};
 use inbox_domain::inbox::store::admin::{self, EventRow};
 use inbox_domain::inbox::store::TransactionLimits;
 
@@ -195,6 +196,10 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
              a session-mode pool, with INBOX_DB_POOLER=none"
         );
     }
+    if matches!(command, Command::Migrate) {
+        // Over a connection of its own, whose server notices it prints (see `migrate`).
+        return migrate::run(database, registry).await;
+    }
     let mut command = command;
     match &mut command {
         Command::Requeue(args) => args.actor.fill(),
@@ -210,21 +215,17 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         _ => {}
     }
     let mut conn = connect(database).await?;
-    if !matches!(command, Command::Migrate) {
-        use inbox_domain::inbox::schema::{self, SchemaState};
-        match schema::state(&conn).await {
-            Ok(state @ SchemaState::Older { .. }) => anyhow::bail!("{}", state.message().unwrap_or_default()),
-            Ok(state) => {
-                if let Some(message) = state.message() {
-                    tracing::warn!("{message}");
-                }
+    match schema::state(&conn).await {
+        Ok(state @ SchemaState::Older { .. }) => anyhow::bail!("{}", state.message().unwrap_or_default()),
+        Ok(state) => {
+            if let Some(message) = state.message() {
+                tracing::warn!("{message}");
             }
-            // A role that may not read the version table can still do its work: the command goes on.
-            Err(e) => tracing::warn!(error = format!("{e:#}"), "could not check the schema version"),
         }
+        // A role that may not read the version table can still do its work: the command goes on.
+        Err(e) => tracing::warn!(error = format!("{e:#}"), "could not check the schema version"),
     }
     match command {
-        Command::Migrate => migrate::run(&mut conn, registry).await,
         Command::Stats(args) => stats::run(&**conn, &args).await,
         Command::NeedsReview(args) => needs_review::run(&**conn, &args).await,
         Command::Requeue(args) => requeue::run(&mut conn, &args).await,
@@ -235,6 +236,7 @@ pub async fn execute(command: Command, database: DatabaseConfig, registry: &Regi
         Command::Verify(args) => verify::run(&**conn, &args).await,
         Command::Reconciliation(args) => reconciliation::run(&mut conn, &args).await,
         Command::Reconcile(args) => reconcile::run(&mut conn, registry, &args).await,
+        Command::Migrate => unreachable!("`migrate` opens its own connection, above"),
         Command::Run(_) | Command::Relay(_) | Command::Fetch(_) | Command::Console(_) => {
             unreachable!("`run`, `relay`, `fetch` and `console` are not operator commands")
         }
