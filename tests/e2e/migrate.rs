@@ -99,6 +99,49 @@ async fn migrate_prints_what_a_migration_left_undone_and_the_statement_that_fini
     assert!(output.contains("up to date") && !output.contains("NOTICE"), "{output}");
 }
 
+/// V23: autovacuum's analyse samples 300 rows per unit of the largest statistics target among a
+/// table's columns, and at the inbox's fillfactor reads a page for nearly every row it samples.
+/// Every column of webhook_inbox at 10 keeps that at 3,000 rows instead of 30,000; a column added
+/// without a target would put the default (100) back, and fails this.
+#[tokio::test]
+async fn every_column_of_the_inbox_has_a_statistics_target_of_10_so_its_analyse_samples_3000_rows() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let targets: Vec<(String, i32)> = client
+        .query(
+            "SELECT attname::text, attstattarget::int4 FROM pg_attribute
+              WHERE attrelid = 'webhook_inbox'::regclass AND attnum > 0 AND NOT attisdropped",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert!(targets.len() > 10, "{targets:?}");
+    let other: Vec<_> = targets.iter().filter(|(_, target)| *target != 10).collect();
+    assert!(other.is_empty(), "columns whose statistics target is not 10: {other:?}");
+
+    // What the analyse then keeps: a histogram of at most 11 bounds (10 buckets) where the default
+    // kept 101, over rows with 5,000 distinct times.
+    client
+        .batch_execute(
+            "INSERT INTO webhook_inbox (provider, endpoint, event_id, event_type, payload, received_at)
+             SELECT 'stripe', 'billing', 'evt_' || i, 'invoice.paid', '{}', now() - i * interval '1 s'
+               FROM generate_series(1, 5000) AS i;
+             ANALYZE webhook_inbox",
+        )
+        .await
+        .unwrap();
+    let bounds: Vec<i32> = column(
+        &client,
+        "SELECT array_length(histogram_bounds::text::text[], 1) FROM pg_stats
+          WHERE tablename = 'webhook_inbox' AND attname = 'received_at'",
+    )
+    .await;
+    assert!(matches!(bounds.as_slice(), [n] if (2..=11).contains(n)), "{bounds:?}");
+}
+
 #[tokio::test]
 async fn a_failing_application_migration_names_itself_and_the_servers_reason_and_keeps_the_inbox_schema() {
     let db = TestDb::empty().await;
