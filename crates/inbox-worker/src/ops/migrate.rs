@@ -12,8 +12,6 @@
 //! `CREATE TABLE IF NOT EXISTS` of its history table raises on every run) say nothing done or
 //! left to do, and are not printed.
 
-use std::time::Duration;
-
 use futures_util::StreamExt as _;
 use inbox_domain::db::{describe_db_error, DatabaseConfig};
 use inbox_domain::handler::Registry;
@@ -22,11 +20,7 @@ use tokio_postgres::error::DbError;
 use tokio_postgres::AsyncMessage;
 
 use super::output::emit;
-use super::APPLICATION_NAME;
-
-/// How long opening the connection may take when `DATABASE_URL` sets no `connect_timeout` (the
-/// operator commands' pool uses the same bound).
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+use super::{APPLICATION_NAME, CONNECT_TIMEOUT};
 
 /// `migrate`.
 pub async fn run(database: DatabaseConfig, registry: &Registry) -> anyhow::Result<()> {
@@ -56,13 +50,22 @@ pub async fn run(database: DatabaseConfig, registry: &Registry) -> anyhow::Resul
     let reports = schema::migrate(&mut client, registry.app_migrations()).await;
     // A notice arrives before the result of the statement that raised it, and the driver forwards
     // it as it reads it: every notice of the run is in the channel by now.
-    let mut server_said = Vec::new();
+    let mut server_said = String::new();
     while let Ok(notice) = said.try_recv() {
         if let Some(line) = notice_line(&notice) {
-            server_said.push(line);
+            server_said.push_str(&line);
+            server_said.push('\n');
         }
     }
-    let reports = reports?;
+    let reports = match reports {
+        Ok(reports) => reports,
+        // What the server said before a migration failed can be why it failed: printed before the
+        // error.
+        Err(e) => {
+            emit(&server_said)?;
+            return Err(e);
+        }
+    };
     let mut text = String::new();
     for report in &reports {
         // The inbox's set is "schema"; an application's is named by its history table.
@@ -76,10 +79,7 @@ pub async fn run(database: DatabaseConfig, registry: &Registry) -> anyhow::Resul
         let state = if report.applied.is_empty() { "is up to date at" } else { "is at" };
         text.push_str(&format!("{set} {state} version {}\n", report.version));
     }
-    for line in server_said {
-        text.push_str(&line);
-        text.push('\n');
-    }
+    text.push_str(&server_said);
     emit(&text)
 }
 

@@ -45,6 +45,9 @@ use crate::cli::Command;
 /// The `application_name` of an operator command's connection.
 pub const APPLICATION_NAME: &str = "inbox-worker-ops";
 
+/// How long an operator command waits to connect when `DATABASE_URL` sets no `connect_timeout`.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Bounds of an operator transaction. A worker holds a row lock for at most its statement
 /// timeout while processing; an operator command fails rather than hang behind something stuck
 /// (lock_timeout), and replay runs handlers (statement_timeout).
@@ -250,7 +253,7 @@ async fn connect(database: DatabaseConfig) -> anyhow::Result<Object> {
         &database,
         &PoolOptions {
             max_size: 1,
-            timeout: Duration::from_secs(10),
+            timeout: CONNECT_TIMEOUT,
             application_name: APPLICATION_NAME,
             session_statement_timeout: None,
             session_write_back: false,
