@@ -77,9 +77,7 @@ async fn migrate_prints_what_a_migration_left_undone_and_the_statement_that_fini
         )
         .await
         .unwrap();
-    let (scheme, rest) = db.url().split_once("://").map(|(s, r)| (s.to_owned(), r.to_owned())).unwrap();
-    let host = rest.split_once('@').map_or(rest.as_str(), |(_, host)| host).to_owned();
-    let as_migrator = format!("{scheme}://inbox_test_migrator@{host}");
+    let as_migrator = db.url_as("inbox_test_migrator");
 
     let (code, output) = run(migrate(&as_migrator), Duration::from_secs(60));
     assert_eq!(code, 0, "{output}");

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_test_support::db::{admin_url, audit, column, scalar, snapshot, url_with_dbname};
+use inbox_test_support::db::{audit, column, scalar, snapshot};
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::TestDb;
 use serde_json::{json, Value};
@@ -1299,12 +1299,9 @@ async fn batched_requeue_and_purge_run_under_the_operator_role_with_an_insert_on
     seed_parked(&client, 3).await;
     seed(&client, &[processed("evt_old1", 40.0 * DAY), processed("evt_old2", 40.0 * DAY)]).await;
 
-    let url = url_with_dbname(&admin_url(), &db.name);
-    let (scheme, rest) = url.split_once("://").expect("a URL");
-    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
     let as_operator = |args: &[&str]| {
         let mut cmd = command("inbox-worker");
-        cmd.env("DATABASE_URL", format!("{scheme}://inbox_operator@{host}")).env("USER", "tester").args(args);
+        cmd.env("DATABASE_URL", db.url_as("inbox_operator")).env("USER", "tester").args(args);
         cmd
     };
     let requeue = as_operator(&["requeue", "--all", "--batch-size", "2"]);

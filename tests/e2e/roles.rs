@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use inbox_domain::handler::Registry;
 use inbox_domain::health::EVENT_GENERATION_FAILURE_RESOLVED;
-use inbox_test_support::db::{admin_url, scalar, url_with_dbname};
+use inbox_test_support::db::scalar;
 use inbox_test_support::events::invoice_paid;
 use inbox_test_support::process::{command, run, Proc};
 use inbox_test_support::receiver::Receiver;
@@ -16,14 +16,6 @@ use inbox_test_support::{spawn_app_with, TestDb};
 use tokio_postgres::error::SqlState;
 
 const ROLES_SQL: &str = include_str!("../../deploy/roles.sql");
-
-/// `db`'s URL for `role` (the local cluster trusts 127.0.0.1: no password).
-fn url_as(db: &TestDb, role: &str) -> String {
-    let url = url_with_dbname(&admin_url(), &db.name);
-    let (scheme, rest) = url.split_once("://").expect("a URL");
-    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
-    format!("{scheme}://{role}@{host}")
-}
 
 fn config_as(db: &TestDb, role: &str) -> tokio_postgres::Config {
     let mut config = db.config();
@@ -109,7 +101,7 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
     let receiver = Receiver::start(false).await;
     let mut relay = command("inbox-worker");
     relay
-        .env("DATABASE_URL", url_as(db, "inbox_relay"))
+        .env("DATABASE_URL", db.url_as("inbox_relay"))
         .env("INBOX_RELAY_SECRET", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
         .args(["relay", "--to-url", &receiver.url, "--poll-interval", "100ms"]);
     let relay = tokio::task::spawn_blocking(move || Proc::spawn(relay)).await.unwrap();
@@ -195,7 +187,7 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
 
     // The owner migrates.
     let mut migrate = command("inbox-worker");
-    migrate.env("DATABASE_URL", url_as(db, "inbox_owner")).arg("migrate");
+    migrate.env("DATABASE_URL", db.url_as("inbox_owner")).arg("migrate");
     let (code, output) =
         tokio::task::spawn_blocking(move || run(migrate, Duration::from_secs(30))).await.unwrap();
     assert_eq!(code, 0, "migrate as inbox_owner: {output}");
@@ -203,7 +195,7 @@ async fn each_component_runs_under_its_role_and_is_refused_what_it_does_not_do()
 
 async fn operator(db: &TestDb, args: &[&str]) -> (i32, String) {
     let mut cmd = command("inbox-worker");
-    cmd.env("DATABASE_URL", url_as(db, "inbox_operator")).args(args);
+    cmd.env("DATABASE_URL", db.url_as("inbox_operator")).args(args);
     tokio::task::spawn_blocking(move || run(cmd, Duration::from_secs(30))).await.unwrap()
 }
 
@@ -334,7 +326,7 @@ async fn reconcile_as_reconciler(
     flags: &[&str],
 ) -> (i32, serde_json::Value, String) {
     let mut cmd = command("inbox-worker");
-    cmd.env("DATABASE_URL", url_as(db, "inbox_reconciler"))
+    cmd.env("DATABASE_URL", db.url_as("inbox_reconciler"))
         .env("STRIPE_API_KEY", STRIPE_KEY)
         .env("STRIPE_API_BASE", api.base_url())
         .args(["reconcile", "--endpoint", "billing", "--since", "2h", "--json", "--actor", "cron"])
@@ -558,7 +550,7 @@ async fn the_console_runs_as_inbox_console_with_the_operators_rights_and_reads_t
         .await
         .unwrap();
     let users = UsersFile::new(&[("alice", false)]);
-    let cmd = console_command(&url_as(&db, "inbox_console"), &users);
+    let cmd = console_command(&db.url_as("inbox_console"), &users);
     let (_console, base) = tokio::task::spawn_blocking(move || start_console(cmd)).await.unwrap();
     let http = http_client();
     let cookie = sign_in(&http, &base, "alice").await.expect("signing in");
@@ -650,7 +642,7 @@ async fn reindex_runs_as_inbox_owner_and_is_refused_to_other_roles() {
     assert_eq!(scalar(&admin, invalid).await, 1, "refused, nothing changed");
 
     let mut owner = command("inbox-worker");
-    owner.env("DATABASE_URL", url_as(&db, "inbox_owner")).arg("reindex");
+    owner.env("DATABASE_URL", db.url_as("inbox_owner")).arg("reindex");
     let (code, output) =
         tokio::task::spawn_blocking(move || run(owner, Duration::from_secs(30))).await.unwrap();
     assert_eq!(code, 0, "{output}");

@@ -288,6 +288,15 @@ impl TestDb {
         url_with_dbname(&admin_url(), &self.name)
     }
 
+    /// This database's URL for `role` instead of the server's user (the local cluster trusts
+    /// 127.0.0.1: no password).
+    pub fn url_as(&self, role: &str) -> String {
+        let url = self.url();
+        let (scheme, rest) = url.split_once("://").expect("a URL");
+        let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+        format!("{scheme}://{role}@{host}")
+    }
+
     /// A new connection to this database.
     pub async fn client(&self) -> Client {
         connect(&self.config).await

@@ -23,8 +23,7 @@ use super::output::emit;
 use super::{APPLICATION_NAME, CONNECT_TIMEOUT};
 
 /// `migrate`.
-pub async fn run(database: DatabaseConfig, registry: &Registry) -> anyhow::Result<()> {
-    let mut database = database;
+pub async fn run(mut database: DatabaseConfig, registry: &Registry) -> anyhow::Result<()> {
     if database.config.get_connect_timeout().is_none() {
         database.config.connect_timeout(CONNECT_TIMEOUT);
     }
