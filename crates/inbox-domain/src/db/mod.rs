@@ -176,6 +176,12 @@ impl DatabaseConfig {
         )
     }
 
+    /// The error of a connection that could not be made, whatever made it (a pool, [`Self::open`]):
+    /// where it tried and the reason, so that every command says it the same way.
+    pub fn unreachable(&self, reason: impl std::fmt::Display) -> anyhow::Error {
+        anyhow::anyhow!("cannot connect to the database at {}: {reason}", self.target())
+    }
+
     /// One connection, outside any pool (the worker's LISTEN connection, `migrate`), with its
     /// `Connection` to drive.
     pub async fn open(
@@ -373,13 +379,7 @@ pub fn abandon(client: deadpool_postgres::Object, database: &DatabaseConfig) {
 /// Opens one connection and runs a trivial query: the start-up check that the database is there.
 /// The error names where it tried (`database`'s [`DatabaseConfig::target`]).
 pub async fn check_reachable(pool: &Pool, database: &DatabaseConfig) -> anyhow::Result<()> {
-    let client = pool.get().await.map_err(|e| {
-        anyhow::anyhow!(
-            "cannot connect to the database at {}: {}",
-            database.target(),
-            describe_pool_error(&e)
-        )
-    })?;
+    let client = pool.get().await.map_err(|e| database.unreachable(describe_pool_error(&e)))?;
     client.simple_query("SELECT 1").await.map_err(|e| {
         anyhow::anyhow!("the database at {} does not answer: {}", database.target(), describe_db_error(&e))
     })?;

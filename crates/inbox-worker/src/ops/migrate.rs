@@ -27,9 +27,8 @@ pub async fn run(mut database: DatabaseConfig, registry: &Registry) -> anyhow::R
     if database.config.get_connect_timeout().is_none() {
         database.config.connect_timeout(CONNECT_TIMEOUT);
     }
-    let (mut client, mut connection) = database.open(APPLICATION_NAME).await.map_err(|e| {
-        anyhow::anyhow!("cannot connect to the database at {}: {}", database.target(), describe_db_error(&e))
-    })?;
+    let (mut client, mut connection) =
+        database.open(APPLICATION_NAME).await.map_err(|e| database.unreachable(describe_db_error(&e)))?;
     let (notices, mut said) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));

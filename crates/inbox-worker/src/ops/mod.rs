@@ -260,13 +260,7 @@ async fn connect(database: DatabaseConfig) -> anyhow::Result<Object> {
             verify_on_checkout: true,
         },
     )?;
-    pool.get().await.map_err(|e| {
-        anyhow::anyhow!(
-            "cannot connect to the database at {}: {}",
-            database.target(),
-            describe_pool_error(&e)
-        )
-    })
+    pool.get().await.map_err(|e| database.unreachable(describe_pool_error(&e)))
 }
 
 /// Maps a database error to a message naming what we were doing and the server's reason.
