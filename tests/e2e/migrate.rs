@@ -134,6 +134,33 @@ async fn every_column_of_the_outbox_has_a_statistics_target_of_10_so_its_analyse
     assert_every_column_has_statistics_target_10(&db.client().await, "outbox").await;
 }
 
+/// V25: the three tables whose rows every event changes are vacuumed after 1 % of them changed,
+/// the outbox too (PostgreSQL's default is 20 %); the outbox's vacuum after new rows follows the
+/// queue table's.
+#[tokio::test]
+async fn the_inbox_its_queue_and_the_outbox_are_vacuumed_after_1_percent_of_them_changed() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    for table in ["webhook_inbox", "webhook_inbox_queue", "outbox"] {
+        let options: Vec<String> = client
+            .query_one(
+                "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = $1::text::regclass",
+                &[&table],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(options.iter().any(|o| o == "autovacuum_vacuum_scale_factor=0.01"), "{table}: {options:?}");
+        if table == "outbox" {
+            for option in
+                ["autovacuum_vacuum_insert_scale_factor=0.01", "autovacuum_analyze_scale_factor=0.02"]
+            {
+                assert!(options.iter().any(|o| o == option), "{table}: {option} not in {options:?}");
+            }
+        }
+    }
+}
+
 async fn assert_every_column_has_statistics_target_10(client: &tokio_postgres::Client, table: &str) {
     let targets: Vec<(String, i32)> = client
         .query(
