@@ -34,11 +34,7 @@ async fn migrate_applies_the_schema_once_even_when_two_run_at_once() {
         assert_eq!(db.count(table).await, 0, "{table}");
     }
     // The queue tuning is in place.
-    let options: Vec<String> = client
-        .query_one("SELECT reloptions FROM pg_class WHERE relname = 'webhook_inbox'", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let options = reloptions(&client, "webhook_inbox").await;
     assert!(options.iter().any(|o| o == "fillfactor=30"), "{options:?}");
     assert!(options.iter().any(|o| o == "toast_tuple_target=256"), "{options:?}");
 
@@ -142,23 +138,25 @@ async fn the_inbox_its_queue_and_the_outbox_are_vacuumed_after_1_percent_of_them
     let db = TestDb::new().await;
     let client = db.client().await;
     for table in ["webhook_inbox", "webhook_inbox_queue", "outbox"] {
-        let options: Vec<String> = client
-            .query_one(
-                "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = $1::text::regclass",
-                &[&table],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let options = reloptions(&client, table).await;
         assert!(options.iter().any(|o| o == "autovacuum_vacuum_scale_factor=0.01"), "{table}: {options:?}");
-        if table == "outbox" {
-            for option in
-                ["autovacuum_vacuum_insert_scale_factor=0.01", "autovacuum_analyze_scale_factor=0.02"]
-            {
-                assert!(options.iter().any(|o| o == option), "{table}: {option} not in {options:?}");
-            }
-        }
     }
+    let outbox = reloptions(&client, "outbox").await;
+    for option in ["autovacuum_vacuum_insert_scale_factor=0.01", "autovacuum_analyze_scale_factor=0.02"] {
+        assert!(outbox.iter().any(|o| o == option), "outbox: {option} not in {outbox:?}");
+    }
+}
+
+/// A table's storage parameters as PostgreSQL lists them (`fillfactor=30`, …; none: empty).
+async fn reloptions(client: &tokio_postgres::Client, table: &str) -> Vec<String> {
+    client
+        .query_one(
+            "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = $1::text::regclass",
+            &[&table],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 async fn assert_every_column_has_statistics_target_10(client: &tokio_postgres::Client, table: &str) {
