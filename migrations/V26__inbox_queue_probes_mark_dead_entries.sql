@@ -1,0 +1,29 @@
+-- stripe-inbox schema, version 26: the trigger that keeps the queue table finds an entry by its key
+-- with a plain index scan, never a bitmap scan, so that each probe marks the dead entries it steps
+-- over and the primary key removes them itself.
+--
+-- Every event leaves two entries in webhook_inbox_queue_pkey: the ingest's insert, and the claim's
+-- upsert (not HOT: the claim moves `available_at`, which the index by type holds). The mark's delete
+-- (V20) finds the row's entry by a probe of the key, which steps over the first entry, dead since
+-- the claim committed. A plain index scan marks such an entry dead in the index (LP_DEAD), and when
+-- an insert finds its page full, b-tree first removes the marked entries and, since PostgreSQL 14,
+-- the dead ones beside them in the same heap pages: the key's right edge, where the new events'
+-- entries go, is cleaned as it fills, and the index stays a few pages between vacuums. A bitmap
+-- scan marks nothing; then the page splits, and every entry of the minute stays until autovacuum
+-- (~15-25k leaf entries, ~2 MiB at 800 events a second).
+--
+-- The planner chose the bitmap scan once the queue table had been vacuumed or analysed with few
+-- live rows in many pages (a burst's, or the dead rows of a minute at a few hundred events a
+-- second): it costs a plain index scan's heap fetch by the table's pages. After that, the index
+-- grew by every event's entries, the next vacuum saw it larger, and the choice held. In a soak at
+-- 800 events a second (docs/performance.md, "What the two sizes are") the leaf pages the key used
+-- between two vacuums went from ~6 to ~140 right after one of the queue's vacuums, five minutes in,
+-- and stayed there; `ALTER FUNCTION webhook_inbox_queue_follow() SET enable_bitmapscan = off` on
+-- the running database brought them back to 1-11 from the next minute on.
+--
+-- The follow trigger already runs without sequential scans, hash joins and merge joins (V19, V20):
+-- with bitmap scans off too, the probe of the key is its only plan. The setting applies to the
+-- function's own statements only; the callers' sessions keep theirs. (The leave trigger, which
+-- deletes the entry of a queued row deleted, runs once per such row and is left as it is: purge
+-- deletes processed rows, which have no entry.)
+ALTER FUNCTION webhook_inbox_queue_follow() SET enable_bitmapscan = off;
