@@ -998,6 +998,23 @@ async fn explaining_client(
     (client, plans)
 }
 
+/// The plans `auto_explain` has sent to `client` so far (see [`explaining_client`]), in order, each
+/// as its query's text and the whole notice. One round trip first, so that the notices of every
+/// statement before have arrived.
+async fn reported_plans(
+    client: &tokio_postgres::Client,
+    plans: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+) -> Vec<(String, String)> {
+    client.batch_execute("SELECT 1").await.unwrap();
+    let mut reported = Vec::new();
+    while let Ok(plan) = plans.try_recv() {
+        if let Some(text) = plan.split("Query Text: ").nth(1) {
+            reported.push((text.to_owned(), plan));
+        }
+    }
+    reported
+}
+
 /// The queue table's triggers never compile a statement with JIT, whatever its plan is estimated to
 /// cost. At a steady few thousand events a second the queue's primary key grows to thousands of
 /// pages within autovacuum's minute while its last vacuum counted a few dozen live entries, so the
@@ -1027,11 +1044,9 @@ async fn the_queue_tables_triggers_never_compile_their_statements_with_jit_howev
     for step in steps {
         client.batch_execute(step).await.unwrap();
     }
-    client.batch_execute("SELECT 1").await.unwrap();
     let mut triggers = Vec::new();
     let mut compiled_own = 0;
-    while let Ok(plan) = plans.try_recv() {
-        let Some(text) = plan.split("Query Text: ").nth(1) else { continue };
+    for (text, plan) in reported_plans(&client, &mut plans).await {
         if text.contains("webhook_inbox_queue") {
             triggers.push(plan);
         } else if plan.contains("JIT:") {
@@ -1085,17 +1100,12 @@ async fn the_marks_probe_of_the_queues_key_is_a_plain_index_scan_however_the_que
         )
         .await
         .unwrap();
-    client.batch_execute("SELECT 1").await.unwrap();
-    let mut probes = Vec::new();
-    while let Ok(plan) = plans.try_recv() {
-        if plan
-            .split("Query Text: ")
-            .nth(1)
-            .is_some_and(|text| text.contains("DELETE FROM webhook_inbox_queue"))
-        {
-            probes.push(plan);
-        }
-    }
+    let probes: Vec<String> = reported_plans(&client, &mut plans)
+        .await
+        .into_iter()
+        .filter(|(text, _)| text.contains("DELETE FROM webhook_inbox_queue"))
+        .map(|(_, plan)| plan)
+        .collect();
     assert_eq!(probes.len(), 1, "the mark's trigger deletes its entries in one statement: {probes:#?}");
     let plan = &probes[0];
     assert!(
