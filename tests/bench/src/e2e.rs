@@ -11,7 +11,7 @@ use crate::http;
 use crate::payload::Requests;
 use crate::pg::{self, simple_rows};
 use crate::services::{check_alive, stop};
-use crate::util::{rss_kib, CpuSample, LogSample};
+use crate::util::{rss_kib, CpuSample, LogSample, MachineSampler, MachineSecond};
 use crate::Ctx;
 
 pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serde_json::Value> {
@@ -54,10 +54,13 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let cpu0 = CpuSample::take(ctx.server.postmaster, &procs);
         let log0 = LogSample::take(&[("ingest", &ingest), ("worker", &worker)]);
         let t0 = Instant::now();
+        let t0_wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let autovacuum = pg::AutovacuumSampler::start(sampler, db.name.clone(), t0);
+        let machine = MachineSampler::start(t0);
         let load = http::open_loop(c, measured, t0, rate, ctx.args.duration).await;
         let cpu1 = CpuSample::take(ctx.server.postmaster, &procs);
         let autovacuum = autovacuum.finish().await;
+        let machine = machine.finish().await;
         let sent_at = Instant::now();
         check_alive(&mut ingest, "inbox-ingest")?;
         let progress = |left: i64| ctx.say(&format!("d:   {left} rows not yet processed"));
@@ -139,7 +142,31 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
         let logs = log0.per_unit(&log1, load.measured.ok as f64);
         let series = |f: fn(&(f64, f64)) -> f64| per_second.iter().map(|v| format!("{:.0}", f(v))).collect::<Vec<_>>().join(" ");
         ctx.say(&format!("d:   p99 / max ms per second of receipt: {} / {}", series(|v| v.0), series(|v| v.1)));
+        let machine_series = |f: fn(&MachineSecond) -> Option<f64>| {
+            machine.iter().map(|m| f(m).map_or("-".into(), |v| format!("{v:.0}"))).collect::<Vec<_>>().join(" ")
+        };
+        ctx.say(&format!(
+            "d:   machine per second: busy % {}; every task waiting on I/O, ms {}; steal % {}",
+            machine_series(|m| m.busy_pct),
+            machine_series(|m| m.io_stall_ms),
+            machine_series(|m| m.steal_pct)
+        ));
         ctx.say(&format!("d:   autovacuum in the measured window: {}", pg::AutovacuumRun::describe(&autovacuum)));
+        // The second that decided the window's p99 most, with what the machine and autovacuum did
+        // in it: seconds of receipt start at the first measured row, within milliseconds of t0.
+        let worst_second = per_second
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1 .0.total_cmp(&b.1 .0))
+            .map(|(k, &(p99, _))| {
+                let m = machine.get(k).copied().unwrap_or_default();
+                let rounds: Vec<&str> = autovacuum
+                    .iter()
+                    .filter(|r| r.from_s < (k + 1) as f64 && r.to_s >= k as f64)
+                    .map(|r| r.what.as_str())
+                    .collect();
+                json!({ "second": k, "p99_ms": p99, "machine": m.json(), "autovacuum": rounds })
+            });
         ctx.say(&format!(
             "d: sent {:.0}/s, receive-to-processed p50 {:.1} ms p99 {:.1} ms max {max_ms:.1} ms; HTTP p99 {:.1} ms; \
              drained {:.2} s after the last send ({}; {})",
@@ -157,13 +184,17 @@ pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<serd
             "achieved_rate": load.rate(),
             "connections": conns,
             "seconds": load.seconds,
+            "window_started_unix_s": t0_wall.as_secs_f64(),
             "worker_concurrency": ctx.args.worker_concurrency,
             "worker_batch_size": ctx.args.worker_batch_size,
             "worker_poll_interval": ctx.args.e2e_poll_interval.clone().unwrap_or_else(|| "service default".into()),
             "receive_to_processed": {
                 "rows": measured_rows, "p50_ms": pct[0], "p90_ms": pct[1], "p99_ms": pct[2], "p99_9_ms": pct[3],
                 "max_ms": max_ms,
-                "per_second": per_second.iter().map(|(p99, max)| json!({ "p99_ms": p99, "max_ms": max })).collect::<Vec<_>>(),
+                "per_second": per_second.iter().enumerate().map(|(k, (p99, max))| json!({
+                    "p99_ms": p99, "max_ms": max, "machine": machine.get(k).map(MachineSecond::json),
+                })).collect::<Vec<_>>(),
+                "worst_second": worst_second,
             },
             "stages": {
                 "receive_to_claim": { "p50_ms": to_claim[0], "p99_ms": to_claim[1] },

@@ -32,6 +32,9 @@
 //!          `--soak-sample` (receive→processed p50/p99, claim latency, table/TOAST/index sizes,
 //!          dead tuples, HOT share, WAL, commits and dead index entries per event, RSS and CPU per
 //!          event of each process) into <out>/soak/samples.csv, samples.json and SVG charts;
+//!   disk   not in the default list: 8 KiB writes, each made durable by `fdatasync`, back to back
+//!          for `--disk-duration` in `--disk-dir`, before any other phase: the flush's
+//!          percentiles and the stalls over 20 ms, what every commit's WAL flush waits for;
 //!   console  the operator console with `--console-parked` parked rows (and `--console-history`
 //!          processed in the last 6 hours): median and p95 of `--console-requests` GETs each of the
 //!          needs-review list, a filtered page of it and the overview, signed in (target: p95 under
@@ -47,6 +50,7 @@
 #![recursion_limit = "256"]
 
 mod console;
+mod disk;
 mod drain;
 mod e2e;
 mod http;
@@ -84,6 +88,7 @@ pub enum Phase {
     Scale,
     Console,
     Soak,
+    Disk,
 }
 
 /// Benchmark of stripe-inbox against the commit rate of its PostgreSQL (see `make bench`).
@@ -167,6 +172,13 @@ pub struct Args {
     /// Timed GETs of each page in the console phase.
     #[arg(long, default_value_t = 50)]
     console_requests: usize,
+    /// How long the disk phase writes and flushes.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    disk_duration: Duration,
+    /// Where the disk phase writes its 16 MiB file: a directory on the device of PostgreSQL's
+    /// pg_wal [default: the out dir].
+    #[arg(long)]
+    disk_dir: Option<PathBuf>,
     /// Webhooks/s of (d) [default: half of (b)'s rate at 32 connections].
     #[arg(long)]
     e2e_rate: Option<f64>,
@@ -362,6 +374,16 @@ async fn phases(ctx: &Ctx) -> serde_json::Map<String, serde_json::Value> {
         ctx.say(&format!("{key}: FAILED: {e:#}"));
         errors.insert(key, json!(format!("{e:#}")));
     };
+
+    // Before everything else, so that nothing else runs on the machine.
+    if want(Phase::Disk) {
+        match disk::run(ctx).await {
+            Ok(v) => {
+                out.insert("disk".into(), v);
+            }
+            Err(e) => note_err("disk".into(), e, ctx),
+        }
+    }
 
     // (a) and (b) in rounds, the second in the opposite order (a b, b a, a b…), so that the
     // ratio of the ingest to pgbench does not follow the VM's drift between them.
@@ -610,6 +632,8 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "console_parked": a.console_parked,
         "console_history": a.console_history,
         "console_requests": a.console_requests,
+        "disk_duration_s": a.disk_duration.as_secs_f64(),
+        "disk_dir": a.disk_dir,
         "e2e_rate": a.e2e_rate,
         "e2e_connections": a.e2e_connections,
         "e2e_poll_interval": a.e2e_poll_interval,

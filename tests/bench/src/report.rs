@@ -83,6 +83,31 @@ impl Table {
         let mut t = Table { rows: Vec::new() };
         let null = Value::Null;
         let get = |k: &str| r.get(k).unwrap_or(&null);
+        let disk = get("disk");
+        if disk.is_object() {
+            let fl = &disk["flush"];
+            t.add(
+                format!(
+                    "disk  8 KiB write + fdatasync for {} s: p50 / p99 / p99.9 / max",
+                    f(&disk["seconds"], 0)
+                ),
+                format!(
+                    "{} / {} / {} / {} ms",
+                    f(&fl["p50_ms"], 2),
+                    f(&fl["p99_ms"], 2),
+                    f(&fl["p99_9_ms"], 2),
+                    f(&fl["max_ms"], 1)
+                ),
+            );
+            t.add(
+                "     flushes over 20 ms; over 40 ms",
+                format!(
+                    "{} / min; {} / min",
+                    f(&disk["stalls_over_20ms_per_min"], 1),
+                    f(&disk["stalls_over_40ms_per_min"], 1)
+                ),
+            );
+        }
         let pgbench = get("pgbench");
         let tps = |c: &str| pgbench[c]["tps"].as_f64();
         let ref32 = tps("32").map(|v| (v, "a32".to_owned())).or_else(|| {
@@ -330,6 +355,22 @@ impl Table {
                     } else {
                         format!("{} runs, {from:.1}–{to:.1} s", runs.len())
                     },
+                );
+            }
+            let worst = &rp["worst_second"];
+            if worst.is_object() {
+                let m = &worst["machine"];
+                let rounds = worst["autovacuum"].as_array().map_or(0, Vec::len);
+                t.add(
+                    "     worst second: p99; machine busy, every task on I/O; autovacuum",
+                    format!(
+                        "s {}: {} ms; {} %, {} ms; {}",
+                        worst["second"],
+                        f(&worst["p99_ms"], 0),
+                        f(&m["busy_pct"], 0),
+                        f(&m["io_stall_ms"], 0),
+                        if rounds == 0 { "none".to_owned() } else { format!("{rounds} runs") }
+                    ),
                 );
             }
             let stages = &e["stages"];

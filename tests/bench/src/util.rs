@@ -88,21 +88,120 @@ fn postgres_ticks(postmaster: u32) -> Option<u64> {
     Some(total)
 }
 
-/// (busy, total) ticks of the machine from /proc/stat.
-fn machine_ticks() -> Option<(u64, u64)> {
+/// (busy, steal, total) ticks of all the machine's cores from /proc/stat; busy includes steal.
+fn machine_ticks() -> Option<(u64, u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let v: Vec<u64> =
         stat.lines().next()?.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
     let total: u64 = v.iter().take(8).sum();
     let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
-    Some((total - idle, total))
+    Some((total - idle, v.get(7).copied().unwrap_or(0), total))
+}
+
+/// What the machine did in each second of a window, to tell a bad second of the pipeline from
+/// one of the machine: all its CPU taken, or every runnable task waiting on the disk at once (a
+/// WAL flush that stalls stalls every committing backend), or a hypervisor that gave the VM's
+/// time to someone else.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MachineSecond {
+    /// Share of all cores not idle, steal included, in percent.
+    pub busy_pct: Option<f64>,
+    /// Share of all cores the hypervisor ran something else on (`steal` in /proc/stat).
+    pub steal_pct: Option<f64>,
+    /// Milliseconds of the second in which every non-idle task waited on I/O
+    /// (`/proc/pressure/io`, `full`; absent on kernels without pressure stall information).
+    pub io_stall_ms: Option<f64>,
+}
+
+impl MachineSecond {
+    pub fn json(&self) -> serde_json::Value {
+        let r1 = |v: Option<f64>| v.map(|v| (v * 10.0).round() / 10.0);
+        serde_json::json!({
+            "busy_pct": r1(self.busy_pct), "steal_pct": r1(self.steal_pct), "io_stall_ms": r1(self.io_stall_ms),
+        })
+    }
+}
+
+/// One reading of the counters [`MachineSecond`] is made of.
+#[derive(Debug, Clone, Copy)]
+struct MachineCounters {
+    /// busy (steal included), steal, total ticks of all cores.
+    ticks: Option<(u64, u64, u64)>,
+    /// `full` total of /proc/pressure/io, microseconds.
+    io_full_us: Option<u64>,
+}
+
+impl MachineCounters {
+    fn read() -> MachineCounters {
+        let ticks = machine_ticks();
+        let io_full_us = (|| {
+            let psi = std::fs::read_to_string("/proc/pressure/io").ok()?;
+            let full = psi.lines().find(|l| l.starts_with("full "))?;
+            full.split_whitespace().find_map(|f| f.strip_prefix("total="))?.parse().ok()
+        })();
+        MachineCounters { ticks, io_full_us }
+    }
+
+    fn since(&self, earlier: &MachineCounters) -> MachineSecond {
+        let (busy_pct, steal_pct) = match (earlier.ticks, self.ticks) {
+            (Some((b0, s0, t0)), Some((b1, s1, t1))) if t1 > t0 => {
+                let share = |a: u64, b: u64| Some(b.saturating_sub(a) as f64 * 100.0 / (t1 - t0) as f64);
+                (share(b0, b1), share(s0, s1))
+            }
+            _ => (None, None),
+        };
+        let io_stall_ms = match (earlier.io_full_us, self.io_full_us) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / 1e3),
+            _ => None,
+        };
+        MachineSecond { busy_pct, steal_pct, io_stall_ms }
+    }
+}
+
+/// Reads [`MachineSecond`]s from `t0`, one a second, until [`MachineSampler::finish`], which adds
+/// the part second since the last.
+pub struct MachineSampler {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Vec<MachineSecond>>,
+}
+
+impl MachineSampler {
+    pub fn start(t0: Instant) -> MachineSampler {
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let mut seconds = Vec::new();
+            let mut last = MachineCounters::read();
+            let mut tick = tokio::time::interval_at(
+                tokio::time::Instant::from_std(t0) + std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(1),
+            );
+            loop {
+                let done = tokio::select! {
+                    _ = &mut stopped => true,
+                    _ = tick.tick() => false,
+                };
+                let now = MachineCounters::read();
+                seconds.push(now.since(&last));
+                last = now;
+                if done {
+                    break seconds;
+                }
+            }
+        });
+        MachineSampler { stop, task }
+    }
+
+    pub async fn finish(self) -> Vec<MachineSecond> {
+        let _ = self.stop.send(());
+        self.task.await.unwrap_or_default()
+    }
 }
 
 /// A CPU reading of the machine, this process, PostgreSQL and the named service processes.
 #[derive(Debug, Clone)]
 pub struct CpuSample {
     at: Instant,
-    machine: Option<(u64, u64)>,
+    machine: Option<(u64, u64, u64)>,
     own: Option<u64>,
     postgres: Option<u64>,
     procs: Vec<(String, u32, Option<u64>)>,
@@ -156,7 +255,7 @@ impl CpuSample {
             out[format!("{name}_pct_of_core")] = pct(a, b);
             out[format!("{name}_cpu_us_per_unit")] = per_unit(a, b);
         }
-        if let (Some((b0, t0)), Some((b1, t1))) = (self.machine, later.machine) {
+        if let (Some((b0, _, t0)), Some((b1, _, t1))) = (self.machine, later.machine) {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
             let busy = (b1 - b0) as f64 / (t1 - t0).max(1) as f64;
             out["machine_busy_pct"] = serde_json::json!((busy * 1000.0).round() / 10.0);
@@ -323,5 +422,19 @@ mod tests {
         assert!(super::total_rate(Vec::new(), "rows", "deliveries_per_s").is_none());
         let one = super::total_rate(vec![run(10.0, 1.0, 3)], "rows", "deliveries_per_s").unwrap();
         assert!(one.get("rounds_deliveries_per_s").is_none(), "one run has no rounds: {one}");
+    }
+
+    #[test]
+    fn a_second_of_the_machine_is_its_busy_and_stolen_share_of_all_cores_and_its_io_stall() {
+        use super::MachineCounters;
+        let at =
+            |busy, steal, total, io| MachineCounters { ticks: Some((busy, steal, total)), io_full_us: io };
+        // Two cores, 200 ticks: 180 busy of which 4 stolen; 46 ms with every task on I/O.
+        let s = at(1180, 14, 2200, Some(5_046_000)).since(&at(1000, 10, 2000, Some(5_000_000)));
+        assert_eq!((s.busy_pct, s.steal_pct, s.io_stall_ms), (Some(90.0), Some(2.0), Some(46.0)));
+        assert_eq!(s.json(), json!({ "busy_pct": 90.0, "steal_pct": 2.0, "io_stall_ms": 46.0 }));
+        // A kernel without pressure stall information; no tick between the readings.
+        let s = at(1000, 10, 2000, None).since(&at(1000, 10, 2000, None));
+        assert_eq!((s.busy_pct, s.steal_pct, s.io_stall_ms), (None, None, None));
     }
 }
