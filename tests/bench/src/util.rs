@@ -98,6 +98,12 @@ fn machine_ticks() -> Option<(u64, u64, u64)> {
     Some((total - idle, v.get(7).copied().unwrap_or(0), total))
 }
 
+/// The share (0..1) of the machine's ticks between two readings that a counter grew by: `part`
+/// from `p0` to `p1` while all ticks went from `t0` to `t1`. None when no tick passed.
+fn tick_share((p0, t0): (u64, u64), (p1, t1): (u64, u64)) -> Option<f64> {
+    (t1 > t0).then(|| p1.saturating_sub(p0) as f64 / (t1 - t0) as f64)
+}
+
 /// What the machine did in each second of a window, to tell a bad second of the pipeline from
 /// one of the machine: all its CPU taken, or every runnable task waiting on the disk at once (a
 /// WAL flush that stalls stalls every committing backend), or a hypervisor that gave the VM's
@@ -144,9 +150,9 @@ impl MachineCounters {
 
     fn since(&self, earlier: &MachineCounters) -> MachineSecond {
         let (busy_pct, steal_pct) = match (earlier.ticks, self.ticks) {
-            (Some((b0, s0, t0)), Some((b1, s1, t1))) if t1 > t0 => {
-                let share = |a: u64, b: u64| Some(b.saturating_sub(a) as f64 * 100.0 / (t1 - t0) as f64);
-                (share(b0, b1), share(s0, s1))
+            (Some((b0, s0, t0)), Some((b1, s1, t1))) => {
+                let pct = |a, b| tick_share((a, t0), (b, t1)).map(|share| share * 100.0);
+                (pct(b0, b1), pct(s0, s1))
             }
             _ => (None, None),
         };
@@ -257,7 +263,7 @@ impl CpuSample {
         }
         if let (Some((b0, _, t0)), Some((b1, _, t1))) = (self.machine, later.machine) {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-            let busy = (b1 - b0) as f64 / (t1 - t0).max(1) as f64;
+            let busy = tick_share((b0, t0), (b1, t1)).unwrap_or(0.0);
             out["machine_busy_pct"] = serde_json::json!((busy * 1000.0).round() / 10.0);
             out["machine_cores"] = serde_json::json!(cores);
             // Whatever else ran meanwhile (other people's builds and tests on a shared machine).
