@@ -245,7 +245,7 @@ async fn stylesheet() -> HttpResponse {
 }
 
 /// The sign-in form.
-#[derive(Template, askama_web::WebTemplate)]
+#[derive(Template)]
 #[template(path = "console/login.html")]
 pub struct LoginPage {
     pub error: Option<String>,
