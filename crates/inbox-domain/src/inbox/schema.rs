@@ -22,7 +22,7 @@ pub const HISTORY_TABLE: &str = "refinery_schema_history";
 
 /// The schema version this build expects: the highest embedded migration.
 pub fn expected_version() -> i32 {
-    embedded::migrations::runner().get_migrations().iter().map(|m| m.version() as i32).max().unwrap_or(0)
+    embedded::migrations::runner().get_migrations().iter().map(|m| m.version()).max().unwrap_or(0)
 }
 
 /// A digest of the embedded migrations (versions, names and refinery's checksums of their SQL):
@@ -144,7 +144,7 @@ pub async fn migrate(
                 applied: report
                     .applied_migrations()
                     .iter()
-                    .map(|m| (m.version() as i32, m.name().to_owned()))
+                    .map(|m| (m.version(), m.name().to_owned()))
                     .collect(),
                 version: 0,
                 history_table: table,
@@ -254,6 +254,53 @@ async fn current_version_in(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What deployed databases hold in `refinery_schema_history`, as refinery 0.8 wrote it. `migrate`
+    /// refuses a history whose checksum differs from the embedded migration's ("divergent"), so a
+    /// refinery upgrade that hashed differently, or an edit of an applied migration, would stop
+    /// every existing deployment from starting. A migration adds its line once released.
+    #[test]
+    fn the_embedded_migrations_keep_the_checksums_deployed_histories_hold() {
+        let deployed: &[(i32, &str, u64)] = &[
+            (1, "inbox_schema", 12544170904423351062),
+            (2, "inbox_fillfactor_50", 5818911000470392866),
+            (3, "inbox_parked_at", 5660748479962578293),
+            (4, "inbox_payload_bytes", 17591272859250902483),
+            (5, "operator_audit_session", 11429132488373390987),
+            (6, "inbox_provenance_and_held_rows", 9183079698664329205),
+            (7, "queue_gauges_cache", 14607355921645953392),
+            (8, "inbox_interruptions", 9869500264458217759),
+            (9, "worker_registrations_and_queue_by_type", 7513714480168600191),
+            (10, "inbox_dismissed_at", 13882276969103330017),
+            (11, "invoice_currency_and_stripe_times", 10565891834455737459),
+            (12, "outbox_relay", 15890025913934915424),
+            (13, "reconciliation_items_resolution", 4245904561795868907),
+            (14, "reconcile", 988516894815199966),
+            (15, "stripe_object_snapshots", 11270528153003073134),
+            (16, "analyze_after_stats_reset", 8623717898060047614),
+            (17, "inbox_queue_table", 11624598636625724212),
+            (18, "inbox_room_for_hot_updates", 4733957785008689081),
+            (19, "inbox_queue_follows_per_statement", 817117817138637429),
+            (20, "inbox_queue_follow_probes_each_key", 2435015933228605797),
+            (21, "inbox_queue_triggers_without_jit", 9438453503264544456),
+            (22, "database_write_back", 15064868090143961815),
+            (23, "inbox_analyse_samples_3000_rows", 904442299757763777),
+            (24, "outbox_analyse_samples_3000_rows", 11905502597410761509),
+            (25, "outbox_vacuumed_after_1_percent", 13704291160646896757),
+            (26, "inbox_queue_probes_mark_dead_entries", 11639964413584498386),
+        ];
+        let embedded: Vec<(i32, String, u64)> = embedded::migrations::runner()
+            .get_migrations()
+            .iter()
+            .map(|m| (m.version(), m.name().to_owned(), m.checksum()))
+            .collect();
+        for &(version, name, checksum) in deployed {
+            assert!(
+                embedded.contains(&(version, name.to_owned(), checksum)),
+                "V{version}__{name} no longer has the checksum deployed histories hold ({checksum})"
+            );
+        }
+    }
 
     #[test]
     fn application_migrations_are_refused_before_anything_runs_when_they_cannot_run() {
