@@ -156,7 +156,6 @@ impl Pending {
     }
 }
 
-/// Where and how batches are written.
 /// Where and how the writers store: built by the service at start.
 #[derive(Clone)]
 pub struct Target {
