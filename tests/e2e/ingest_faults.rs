@@ -71,6 +71,52 @@ async fn a_database_that_never_answers_is_503_within_the_timeout() {
     assert_eq!(app.inbox_rows().await, 2);
 }
 
+/// A connection the network dropped without a word (no FIN, no RST: the proxy holds it open and
+/// passes nothing) fails the one batch that meets it, within the timeout, and is given up on: the
+/// pool does not test connections at checkout, so without that every later batch would wait
+/// behind it until TCP keepalive noticed, minutes on.
+#[tokio::test]
+async fn connections_the_network_dropped_silently_fail_one_batch_each_and_are_replaced() {
+    let (app, proxy) = app_behind_proxy().await;
+    let name = app.db.name.clone();
+    for i in 0..3 {
+        assert_eq!(app.post_signed(invoice_paid(&format!("evt_before_{i}"), "in_1", 1)).await.status, 200);
+    }
+    let admin = inbox_test_support::db::connect(&inbox_test_support::db::admin_config()).await;
+    let open: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = 'inbox-ingest'",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(open >= 1, "no ingest connection open before the freeze");
+
+    proxy.set(Mode::Freeze);
+    let mut failed = 0;
+    let mut stored = false;
+    for attempt in 0..=open {
+        let started = Instant::now();
+        let reply = app.post_signed(invoice_paid("evt_after", "in_1", 1)).await;
+        let took = started.elapsed();
+        assert!(took < DB_TIMEOUT * 3, "attempt {attempt} took {took:?}");
+        match reply.status {
+            200 => {
+                stored = true;
+                break;
+            }
+            503 => failed += 1,
+            status => panic!("attempt {attempt}: {status} {}", reply.text),
+        }
+    }
+    assert!(stored, "still 503 after {failed} attempts with {open} connections frozen");
+    assert!(failed <= open, "{failed} failed batches for {open} frozen connections");
+    let ids: Vec<String> =
+        column(&app.db.client().await, "SELECT event_id FROM webhook_inbox ORDER BY 1").await;
+    assert_eq!(ids, ["evt_after", "evt_before_0", "evt_before_1", "evt_before_2"]);
+}
+
 #[tokio::test]
 async fn terminated_backends_are_replaced_without_a_failed_request() {
     let db = TestDb::new().await;

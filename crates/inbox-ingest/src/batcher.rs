@@ -20,12 +20,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::web::Bytes;
-use deadpool_postgres::Pool;
+use deadpool_postgres::{Object, Pool};
 use inbox_domain::budget::BytesHeld;
-use inbox_domain::db::{OutageLog, Pooler};
+use inbox_domain::db::{DatabaseConfig, OutageLog, Pooler};
 use inbox_domain::inbox::store::ingest::{self as store, InsertOutcome, NewEvent, Provenance};
 use inbox_domain::PROVIDER_STRIPE;
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
+use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 
 use crate::error::IngestError;
@@ -161,6 +162,9 @@ impl Pending {
 pub struct Target {
     pub pool: Pool,
     pub pooler: Pooler,
+    /// Where the pool connects: to cancel the statement of a connection given up on (see
+    /// [`give_up`]).
+    pub database: DatabaseConfig,
     /// Bound on a connection plus the insert, and the insert's server-side statement timeout.
     pub timeout: Duration,
     /// Keep the exact bytes and the matching signature of every row (`--keep-raw`).
@@ -291,20 +295,21 @@ async fn keep_refused(
     }
     let reason = format!("unstorable: PostgreSQL refused the body as jsonb: {message} (SQLSTATE {sqlstate}); the exact bytes are in raw_body");
     let reason = inbox_domain::inbox::store::truncate_error(&reason);
-    let work = async {
-        let client = target.pool.get().await.map_err(|e| IngestError::Unavailable(no_connection(&e)))?;
-        store::insert_unstorable(&client, PROVIDER_STRIPE, row, reason, target.timeout)
-            .await
-            .map_err(|e| IngestError::from(failed(target, &e, "storing an unstorable body failed")))
-    };
-    match tokio::time::timeout(target.timeout, work).await {
+    let deadline = Instant::now() + target.timeout;
+    let client = checkout(target, deadline).await.map_err(IngestError::Unavailable)?;
+    let stored = store::insert_unstorable(&client, PROVIDER_STRIPE, row, reason, target.timeout);
+    let answer = tokio::time::timeout_at(deadline, stored).await;
+    match answer {
         Ok(Ok(true)) => {
             tracing::warn!(sqlstate, "verified body refused by jsonb: kept in raw_body and parked");
             Ok(InsertOutcome::Unstorable)
         }
         Ok(Ok(false)) => Ok(InsertOutcome::Duplicate),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(IngestError::Unavailable("timed out storing the unstorable body".into())),
+        Ok(Err(e)) => Err(failed(target, &e, "storing an unstorable body failed").into()),
+        Err(_) => {
+            give_up(target, client);
+            Err(IngestError::Unavailable("timed out storing the unstorable body".into()))
+        }
     }
 }
 
@@ -327,36 +332,50 @@ impl From<BatchError> for IngestError {
     }
 }
 
+/// Inserts a batch within `--db-timeout`, the wait for a connection included.
 async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(String, String)>, BatchError> {
-    let work = async {
-        let client = target.pool.get().await.map_err(|e| {
-            let cause = no_connection(&e);
-            target.outage.failed("storing a batch", &cause);
-            BatchError::Unavailable(cause)
-        })?;
-        let inserted = store::insert_events(
-            &client,
-            target.pooler,
-            PROVIDER_STRIPE,
-            rows,
-            target.keep_raw,
-            target.timeout,
-        )
-        .await
-        .map_err(|e| classify(target, e))?;
-        target.outage.succeeded();
-        Ok(inserted)
+    let unavailable = |cause: Cow<'static, str>| {
+        target.outage.failed("storing a batch", &cause);
+        BatchError::Unavailable(cause)
     };
-    match tokio::time::timeout(target.timeout, work).await {
-        Ok(Ok(inserted)) => Ok(inserted.into_iter().collect()),
-        Ok(Err(e)) => Err(e),
+    let deadline = Instant::now() + target.timeout;
+    let client = checkout(target, deadline).await.map_err(unavailable)?;
+    let stored =
+        store::insert_events(&client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout);
+    let answer = tokio::time::timeout_at(deadline, stored).await;
+    match answer {
+        Ok(Ok(inserted)) => {
+            target.outage.succeeded();
+            Ok(inserted.into_iter().collect())
+        }
+        Ok(Err(e)) => Err(classify(target, e)),
         Err(_) => {
-            let cause =
-                format!("timed out: no connection and commit within --db-timeout ({:?})", target.timeout);
-            target.outage.failed("storing a batch", &cause);
-            Err(BatchError::Unavailable(cause.into()))
+            give_up(target, client);
+            Err(unavailable(timed_out(target)))
         }
     }
+}
+
+/// A pooled connection, waited for until `deadline`.
+async fn checkout(target: &Target, deadline: Instant) -> Result<Object, Cow<'static, str>> {
+    match tokio::time::timeout_at(deadline, target.pool.get()).await {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(e)) => Err(no_connection(&e)),
+        Err(_) => Err(timed_out(target)),
+    }
+}
+
+/// A statement that got no answer by its deadline: its connection is taken out of the pool and
+/// the statement cancelled, never handed to the next batch, which would wait behind it — on a
+/// connection the network dropped silently (no FIN, no RST: a NAT's or firewall's state lost, a
+/// server gone in a failover) every later batch would, until TCP keepalive gave up on it.
+fn give_up(target: &Target, client: Object) {
+    inbox_domain::db::abandon(client, &target.database);
+}
+
+/// Why a batch was not stored in time.
+fn timed_out(target: &Target) -> Cow<'static, str> {
+    format!("timed out: no connection and commit within --db-timeout ({:?})", target.timeout).into()
 }
 
 /// A connection lost during the commit leaves the outcome unknown: 503, and the redelivery meets

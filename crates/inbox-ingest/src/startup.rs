@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use deadpool_postgres::Pool;
 use inbox_domain::budget::ByteBudget;
 use inbox_domain::config::EndpointMode;
-use inbox_domain::db::{build_pool, check_reachable, OutageLog, PoolOptions, Pooler};
+use inbox_domain::db::{build_pool, check_reachable, DatabaseConfig, OutageLog, PoolOptions, Pooler};
 use inbox_domain::inbox::signature::Verifier;
 use tokio::sync::Notify;
 
@@ -82,16 +82,28 @@ pub struct AppState {
 /// 10 ms: docs/performance.md, "End to end at half the ingest's rate".
 pub const NOTIFY_INTERVAL: Duration = Duration::from_millis(10);
 
-/// Sends the coalesced wake-up NOTIFY until aborted.
-async fn notify_workers(pool: Pool, wake: Arc<Notify>) {
+/// Sends the coalesced wake-up NOTIFY until aborted. A NOTIFY with no answer within `timeout`
+/// gives its connection up, as a batch does (crate::batcher::checkout): this task would otherwise
+/// wait on a connection the network dropped silently, and the workers fall back to polling.
+async fn notify_workers(pool: Pool, database: DatabaseConfig, timeout: Duration, wake: Arc<Notify>) {
     loop {
         wake.notified().await;
         if let Ok(client) = pool.get().await {
-            if let Err(e) = client.batch_execute(inbox_domain::inbox::store::ingest::NOTIFY_SQL).await {
-                tracing::debug!(
+            let sent = tokio::time::timeout(
+                timeout,
+                client.batch_execute(inbox_domain::inbox::store::ingest::NOTIFY_SQL),
+            )
+            .await;
+            match sent {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(
                     error = %inbox_domain::db::describe_db_error(&e),
                     "wake-up NOTIFY failed (workers fall back to polling)"
-                );
+                ),
+                Err(_) => {
+                    inbox_domain::db::abandon(client, &database);
+                    tracing::debug!("wake-up NOTIFY got no answer in time: its connection is given up");
+                }
             }
         }
         tokio::time::sleep(NOTIFY_INTERVAL).await;
@@ -197,6 +209,7 @@ impl Application {
         let target = Target {
             pool: pool.clone(),
             pooler: settings.database.pooler,
+            database: settings.database.clone(),
             timeout: settings.db_timeout,
             keep_raw: settings.keep_raw,
             readiness: readiness.clone(),
@@ -204,7 +217,12 @@ impl Application {
         };
         let batcher = Batcher::start(target, writers, metrics.clone());
         let wake_workers = Arc::new(Notify::new());
-        let notifier = tokio::spawn(notify_workers(pool.clone(), wake_workers.clone()));
+        let notifier = tokio::spawn(notify_workers(
+            pool.clone(),
+            settings.database.clone(),
+            settings.db_timeout,
+            wake_workers.clone(),
+        ));
         let mut names: Vec<&str> = settings.endpoints.iter().map(|e| e.name.as_str()).collect();
         names.sort_unstable();
         let endpoint_names = names.join(", ");

@@ -1,5 +1,6 @@
 //! A TCP proxy in front of PostgreSQL that a test can switch into a fault: refuse new
-//! connections and cut the open ones, or accept connections and never answer (a black hole).
+//! connections and cut the open ones, accept connections and never answer (a black hole), or
+//! let the open connections go silent while new ones pass (a network that dropped them).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -16,6 +17,11 @@ pub enum Mode {
     Refuse,
     /// Accept and hold connections without forwarding a byte; cut the open ones.
     Blackhole,
+    /// The connections open at the switch stop passing bytes in either direction and are never
+    /// closed, as when a NAT or firewall loses their state or the server's address moves: no FIN,
+    /// no RST, nothing for the client to notice but silence. New connections pass, and stay
+    /// frozen when the mode goes back to `Pass`.
+    Freeze,
 }
 
 pub struct FaultProxy {
@@ -43,7 +49,7 @@ async fn run(listener: TcpListener, port: u16, target: SocketAddr, mut mode: wat
     let mut listener = Some(listener);
     loop {
         let current = *mode.borrow_and_update();
-        if current != Mode::Pass {
+        if matches!(current, Mode::Refuse | Mode::Blackhole) {
             for conn in live.lock().unwrap().drain(..) {
                 conn.abort();
             }
@@ -70,8 +76,12 @@ async fn run(listener: TcpListener, port: u16, target: SocketAddr, mut mode: wat
             accepted = l.accept() => {
                 let Ok((client, _)) = accepted else { continue };
                 let task = match current {
-                    Mode::Pass => tokio::spawn(forward(client, target)),
-                    _ => tokio::spawn(async move {
+                    Mode::Pass | Mode::Freeze => {
+                        let mut freeze = mode.clone();
+                        freeze.mark_unchanged();
+                        tokio::spawn(forward(client, target, freeze))
+                    }
+                    Mode::Refuse | Mode::Blackhole => tokio::spawn(async move {
                         let _held = client;
                         std::future::pending::<()>().await;
                     }),
@@ -84,9 +94,23 @@ async fn run(listener: TcpListener, port: u16, target: SocketAddr, mut mode: wat
     }
 }
 
-async fn forward(mut client: TcpStream, target: SocketAddr) {
-    if let Ok(mut server) = TcpStream::connect(target).await {
-        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+/// Forwards until either side closes, or until the mode next changes to `Freeze`: then both
+/// sockets are held open and nothing more passes.
+async fn forward(mut client: TcpStream, target: SocketAddr, mut mode: watch::Receiver<Mode>) {
+    let Ok(mut server) = TcpStream::connect(target).await else { return };
+    let frozen = async {
+        loop {
+            if mode.changed().await.is_err() {
+                return std::future::pending::<()>().await;
+            }
+            if *mode.borrow_and_update() == Mode::Freeze {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+        () = frozen => std::future::pending::<()>().await,
     }
 }
 
