@@ -179,7 +179,10 @@ impl Application {
                     .then_some(settings.db_timeout),
                 // The same way: per session directly, with the limits behind a pooler.
                 session_write_back: settings.database.pooler == Pooler::None,
-                verify_on_checkout: true,
+                // Every use has a deadline and gives up on a connection that misses it (see
+                // crate::batcher::checkout): a verification query per checkout would cost each
+                // batch a round trip.
+                verify_on_checkout: false,
             },
         )?;
         check_reachable(&pool, &settings.database).await?;
