@@ -357,8 +357,9 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
 }
 
 /// A pooled connection, waited for until `deadline`. The pool does not test a connection at
-/// checkout: that was an empty query, a round trip and a "transaction" per batch, and the batch's
-/// own statement tests it as well (docs/performance.md, "No verification query per checkout").
+/// checkout: an empty query would cost each batch a round trip and a "transaction", and the
+/// batch's own statement tests it as well (docs/performance.md, "No verification query per
+/// checkout").
 /// A connection the server closed is known closed and replaced by the pool; one the network
 /// dropped without a word is given up on when its statement misses the deadline ([`give_up`]).
 async fn checkout(target: &Target, deadline: Instant) -> Result<Object, Cow<'static, str>> {
