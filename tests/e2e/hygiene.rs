@@ -55,6 +55,30 @@ async fn the_worker_recovers_from_cut_connections_without_a_restart() {
     worker.stop().await;
 }
 
+/// Connections the network dropped without a word (the proxy holds them open and passes nothing)
+/// hold no row and no claim for long: every statement of the worker has a deadline, and a
+/// connection that misses it is discarded, not handed back to the pool.
+#[tokio::test]
+async fn the_worker_recovers_from_connections_the_network_dropped_silently() {
+    let proxy = FaultProxy::start(postgres_addr()).await;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let via_proxy = db.config_via_port(proxy.port);
+    let worker =
+        spawn_worker(&db, Registry::with_invoice_handlers(), |s| s.database = via_proxy.into()).await;
+    store_event(&client, "billing", &invoice_paid("evt_before", "in_1", 100)).await;
+    assert!(eventually(Duration::from_secs(10), || async { unprocessed(&client).await == 0 }).await);
+
+    proxy.set(Mode::Freeze); // the open connections go silent, new ones pass
+    store_event(&client, "billing", &invoice_paid("evt_frozen", "in_2", 100)).await;
+    assert!(
+        eventually(Duration::from_secs(30), || async { unprocessed(&client).await == 0 }).await,
+        "the event stored after the freeze was not processed"
+    );
+    assert_eq!(scalar(&client, "SELECT count(*) FROM ledger_entries").await, 2);
+    worker.stop().await;
+}
+
 #[tokio::test]
 async fn the_worker_recovers_from_terminated_backends() {
     let db = TestDb::new().await;
