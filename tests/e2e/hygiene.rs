@@ -10,7 +10,9 @@ use inbox_domain::inbox::event::InboxEvent;
 use inbox_test_support::db::{scalar, slow_writes, unprocessed};
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
 use inbox_test_support::proxy::{postgres_addr, FaultProxy, Mode};
-use inbox_test_support::worker::{claim, eventually, execute, pool, spawn_worker, store_event, test_limits};
+use inbox_test_support::worker::{
+    claim, eventually, execute, pool, spawn_worker, store_event, test_limits, TestWorker,
+};
 use inbox_test_support::{spawn_app_with, TestDb};
 use inbox_worker::conn::Conn;
 use inbox_worker::executor::{self, Limits, Outcome};
@@ -28,8 +30,9 @@ async fn in_transaction(client: &tokio_postgres::Client, application_name: &str)
         .get(0)
 }
 
-#[tokio::test]
-async fn the_worker_recovers_from_cut_connections_without_a_restart() {
+/// A worker with the stock handlers whose database connections go through a fault proxy, one
+/// event (`evt_before`) already processed through it, and a direct connection to its database.
+async fn worker_behind_proxy() -> (FaultProxy, TestDb, tokio_postgres::Client, TestWorker) {
     let proxy = FaultProxy::start(postgres_addr()).await;
     let db = TestDb::new().await;
     let client = db.client().await;
@@ -38,6 +41,12 @@ async fn the_worker_recovers_from_cut_connections_without_a_restart() {
         spawn_worker(&db, Registry::with_invoice_handlers(), |s| s.database = via_proxy.into()).await;
     store_event(&client, "billing", &invoice_paid("evt_before", "in_1", 100)).await;
     assert!(eventually(Duration::from_secs(10), || async { unprocessed(&client).await == 0 }).await);
+    (proxy, db, client, worker)
+}
+
+#[tokio::test]
+async fn the_worker_recovers_from_cut_connections_without_a_restart() {
+    let (proxy, _db, client, worker) = worker_behind_proxy().await;
 
     proxy.set(Mode::Refuse); // every connection cut, new ones refused
     store_event(&client, "billing", &invoice_paid("evt_during", "in_2", 100)).await;
@@ -60,14 +69,7 @@ async fn the_worker_recovers_from_cut_connections_without_a_restart() {
 /// connection that misses it is discarded, not handed back to the pool.
 #[tokio::test]
 async fn the_worker_recovers_from_connections_the_network_dropped_silently() {
-    let proxy = FaultProxy::start(postgres_addr()).await;
-    let db = TestDb::new().await;
-    let client = db.client().await;
-    let via_proxy = db.config_via_port(proxy.port);
-    let worker =
-        spawn_worker(&db, Registry::with_invoice_handlers(), |s| s.database = via_proxy.into()).await;
-    store_event(&client, "billing", &invoice_paid("evt_before", "in_1", 100)).await;
-    assert!(eventually(Duration::from_secs(10), || async { unprocessed(&client).await == 0 }).await);
+    let (proxy, _db, client, worker) = worker_behind_proxy().await;
 
     proxy.set(Mode::Freeze); // the open connections go silent, new ones pass
     store_event(&client, "billing", &invoice_paid("evt_frozen", "in_2", 100)).await;
