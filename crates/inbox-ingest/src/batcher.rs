@@ -162,8 +162,8 @@ impl Pending {
 pub struct Target {
     pub pool: Pool,
     pub pooler: Pooler,
-    /// Where the pool connects: to cancel the statement of a connection given up on (see
-    /// [`give_up`]).
+    /// Where the pool connects: to cancel the statement of a connection abandoned after a
+    /// missed deadline (see `checkout`).
     pub database: DatabaseConfig,
     /// Bound on a connection plus the insert, and the insert's server-side statement timeout.
     pub timeout: Duration,
@@ -307,7 +307,7 @@ async fn keep_refused(
         Ok(Ok(false)) => Ok(InsertOutcome::Duplicate),
         Ok(Err(e)) => Err(failed(target, &e, "storing an unstorable body failed").into()),
         Err(_) => {
-            give_up(target, client);
+            inbox_domain::db::abandon(client, &target.database);
             Err(IngestError::Unavailable("timed out storing the unstorable body".into()))
         }
     }
@@ -350,7 +350,7 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
         }
         Ok(Err(e)) => Err(classify(target, e)),
         Err(_) => {
-            give_up(target, client);
+            inbox_domain::db::abandon(client, &target.database);
             Err(unavailable(timed_out(target)))
         }
     }
@@ -359,23 +359,17 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
 /// A pooled connection, waited for until `deadline`. The pool does not test a connection at
 /// checkout: an empty query would cost each batch a round trip and a "transaction", and the
 /// batch's own statement tests it as well (docs/performance.md, "No verification query per
-/// checkout").
-/// A connection the server closed is known closed and replaced by the pool; one the network
-/// dropped without a word is given up on when its statement misses the deadline ([`give_up`]).
+/// checkout"). A connection the server closed is known closed and replaced by the pool. One the
+/// network dropped without a word (no FIN, no RST: a NAT's or firewall's state lost, a server gone
+/// in a failover) is noticed when a statement on it misses its deadline: the caller then abandons
+/// it ([`inbox_domain::db::abandon`]: out of the pool, its statement cancelled), so the next batch
+/// never waits behind it until TCP keepalive gives up.
 async fn checkout(target: &Target, deadline: Instant) -> Result<Object, Cow<'static, str>> {
     match tokio::time::timeout_at(deadline, target.pool.get()).await {
         Ok(Ok(client)) => Ok(client),
         Ok(Err(e)) => Err(no_connection(&e)),
         Err(_) => Err(timed_out(target)),
     }
-}
-
-/// A statement that got no answer by its deadline: its connection is taken out of the pool and
-/// the statement cancelled, never handed to the next batch, which would wait behind it — on a
-/// connection the network dropped silently (no FIN, no RST: a NAT's or firewall's state lost, a
-/// server gone in a failover) every later batch would, until TCP keepalive gave up on it.
-fn give_up(target: &Target, client: Object) {
-    inbox_domain::db::abandon(client, &target.database);
 }
 
 /// Why a batch was not stored in time.
