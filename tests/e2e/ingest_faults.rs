@@ -13,12 +13,16 @@ const DB_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The service behind a fault proxy, with a 1 s database timeout.
 async fn app_behind_proxy() -> (TestApp, FaultProxy) {
+    app_behind_proxy_with(DB_TIMEOUT).await
+}
+
+async fn app_behind_proxy_with(db_timeout: Duration) -> (TestApp, FaultProxy) {
     let proxy = FaultProxy::start(postgres_addr()).await;
     let db = TestDb::new().await;
     let config = db.config_via_port(proxy.port);
     let app = spawn_app_with(db, |s| {
         s.database = config.into();
-        s.db_timeout = DB_TIMEOUT;
+        s.db_timeout = db_timeout;
     })
     .await;
     (app, proxy)
@@ -115,6 +119,92 @@ async fn connections_the_network_dropped_silently_fail_one_batch_each_and_are_re
     let ids: Vec<String> =
         column(&app.db.client().await, "SELECT event_id FROM webhook_inbox ORDER BY 1").await;
     assert_eq!(ids, ["evt_after", "evt_before_0", "evt_before_1", "evt_before_2"]);
+}
+
+/// The wake-up NOTIFY has the batches' deadline: a NOTIFY that meets a connection the network
+/// dropped silently gives that connection up, and the rows stored after it still wake the workers.
+/// Without the deadline the notifier waits on that connection for good and the workers only poll.
+/// Webhooks keep arriving while every open connection is frozen, fifteen times, each after the
+/// previous freeze's batches gave up, so that the NOTIFY is on the wire, or about to take a
+/// connection that was open at the freeze, at some of those moments (without the deadline this
+/// fails in most runs, not in every one).
+#[tokio::test]
+async fn the_wake_up_outlives_connections_the_network_dropped_silently() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let db_timeout = Duration::from_millis(250);
+    let (app, proxy) = app_behind_proxy_with(db_timeout).await;
+    let mut wake_ups = listen(&app.db, "webhook_inbox").await;
+    assert_eq!(app.post_signed(invoice_paid("evt_first", "in_1", 1)).await.status, 200);
+    assert!(wake_ups.recv_within(Duration::from_secs(5)).await, "no wake-up before the freezes");
+
+    let (stop, sent) = (AtomicBool::new(false), AtomicUsize::new(0));
+    let poster = |task: usize| {
+        let (app, stop, sent) = (&app, &stop, &sent);
+        async move {
+            while !stop.load(Ordering::Relaxed) {
+                let id = format!("evt_load_{task}_{}", sent.fetch_add(1, Ordering::Relaxed));
+                let status = app.post_signed(invoice_paid(&id, "in_1", 1)).await.status;
+                assert!(status == 200 || status == 503, "{id}: {status}");
+            }
+        }
+    };
+    let freezes = async {
+        for _ in 0..15 {
+            tokio::time::sleep(db_timeout + Duration::from_millis(150)).await;
+            proxy.set(Mode::Freeze);
+        }
+        tokio::time::sleep(db_timeout * 2).await;
+        stop.store(true, Ordering::Relaxed);
+    };
+    futures_util::future::join(futures_util::future::join_all((0..8).map(poster)), freezes).await;
+
+    // Every frozen connection has been given up by now: the rows stored next are announced. (One
+    // row each try, so that a NOTIFY slower than the timeout on a busy machine fails no run.)
+    wake_ups.drain();
+    let mut heard = false;
+    for attempt in 0..10 {
+        let status = app.post_signed(invoice_paid(&format!("evt_after_{attempt}"), "in_1", 1)).await.status;
+        assert!(status == 200 || status == 503, "evt_after_{attempt}: {status}");
+        if status == 200 && wake_ups.recv_within(Duration::from_secs(1)).await {
+            heard = true;
+            break;
+        }
+    }
+    assert!(heard, "no wake-up for rows stored after the freezes: the notifier is stuck");
+}
+
+/// NOTIFYs on a channel, heard on a connection of the test's own (not through the proxy).
+struct WakeUps {
+    heard: tokio::sync::mpsc::UnboundedReceiver<()>,
+    /// The listening session: dropping it would end the LISTEN.
+    _session: tokio_postgres::Client,
+}
+
+impl WakeUps {
+    async fn recv_within(&mut self, limit: Duration) -> bool {
+        matches!(tokio::time::timeout(limit, self.heard.recv()).await, Ok(Some(())))
+    }
+
+    fn drain(&mut self) {
+        while self.heard.try_recv().is_ok() {}
+    }
+}
+
+async fn listen(db: &TestDb, channel: &str) -> WakeUps {
+    use futures_util::StreamExt as _;
+    let (client, mut connection) =
+        tokio_postgres::connect(&db.url(), tokio_postgres::NoTls).await.expect("connecting to PostgreSQL");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(_) = message {
+                let _ = tx.send(());
+            }
+        }
+    });
+    client.batch_execute(&format!("LISTEN {channel}")).await.unwrap();
+    WakeUps { heard: rx, _session: client }
 }
 
 #[tokio::test]
