@@ -297,19 +297,17 @@ async fn keep_refused(
     let reason = inbox_domain::inbox::store::truncate_error(&reason);
     let deadline = Instant::now() + target.timeout;
     let client = checkout(target, deadline).await.map_err(IngestError::Unavailable)?;
-    let stored = store::insert_unstorable(&client, PROVIDER_STRIPE, row, reason, target.timeout);
-    let answer = tokio::time::timeout_at(deadline, stored).await;
-    match answer {
-        Ok(Ok(true)) => {
+    let stored = async |client: &mut Object| {
+        store::insert_unstorable(client, PROVIDER_STRIPE, row, reason, target.timeout).await
+    };
+    match inbox_domain::db::within(client, deadline, &target.database, stored).await {
+        Some((_, Ok(true))) => {
             tracing::warn!(sqlstate, "verified body refused by jsonb: kept in raw_body and parked");
             Ok(InsertOutcome::Unstorable)
         }
-        Ok(Ok(false)) => Ok(InsertOutcome::Duplicate),
-        Ok(Err(e)) => Err(failed(target, &e, "storing an unstorable body failed").into()),
-        Err(_) => {
-            inbox_domain::db::abandon(client, &target.database);
-            Err(IngestError::Unavailable("timed out storing the unstorable body".into()))
-        }
+        Some((_, Ok(false))) => Ok(InsertOutcome::Duplicate),
+        Some((_, Err(e))) => Err(failed(target, &e, "storing an unstorable body failed").into()),
+        None => Err(IngestError::Unavailable("timed out storing the unstorable body".into())),
     }
 }
 
@@ -340,19 +338,17 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
     };
     let deadline = Instant::now() + target.timeout;
     let client = checkout(target, deadline).await.map_err(unavailable)?;
-    let stored =
-        store::insert_events(&client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout);
-    let answer = tokio::time::timeout_at(deadline, stored).await;
-    match answer {
-        Ok(Ok(inserted)) => {
+    let stored = async |client: &mut Object| {
+        store::insert_events(client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout)
+            .await
+    };
+    match inbox_domain::db::within(client, deadline, &target.database, stored).await {
+        Some((_, Ok(inserted))) => {
             target.outage.succeeded();
             Ok(inserted.into_iter().collect())
         }
-        Ok(Err(e)) => Err(classify(target, e)),
-        Err(_) => {
-            inbox_domain::db::abandon(client, &target.database);
-            Err(unavailable(timed_out(target)))
-        }
+        Some((_, Err(e))) => Err(classify(target, e)),
+        None => Err(unavailable(timed_out(target))),
     }
 }
 
@@ -361,9 +357,9 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
 /// batch's own statement tests it as well (docs/performance.md, "No verification query per
 /// checkout"). A connection the server closed is known closed and replaced by the pool. One the
 /// network dropped without a word (no FIN, no RST: a NAT's or firewall's state lost, a server gone
-/// in a failover) is noticed when a statement on it misses its deadline: the caller then abandons
-/// it ([`inbox_domain::db::abandon`]: out of the pool, its statement cancelled), so the next batch
-/// never waits behind it until TCP keepalive gives up.
+/// in a failover) is noticed when a statement on it misses its deadline: the caller runs it
+/// [`inbox_domain::db::within`] the deadline, which then abandons the connection (out of the pool,
+/// its statement cancelled), so the next batch never waits behind it until TCP keepalive gives up.
 async fn checkout(target: &Target, deadline: Instant) -> Result<Object, Cow<'static, str>> {
     match tokio::time::timeout_at(deadline, target.pool.get()).await {
         Ok(Ok(client)) => Ok(client),

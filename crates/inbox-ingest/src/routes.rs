@@ -386,42 +386,38 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 /// One readiness check against the database.
 async fn check_ready(state: &AppState) -> Verdict {
     let expected = inbox_domain::inbox::schema::expected_version();
-    let timeout = state.db_timeout.min(Duration::from_secs(2));
-    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + state.db_timeout.min(Duration::from_secs(2));
     let check = async {
-        let client = match tokio::time::timeout(timeout, state.pool.get()).await {
+        let client = match tokio::time::timeout_at(deadline, state.pool.get()).await {
             Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Ok(Err(inbox_domain::db::describe_pool_error(&e))),
-            Err(elapsed) => return Err(elapsed),
+            Ok(Err(e)) => return Some(Err(inbox_domain::db::describe_pool_error(&e))),
+            Err(_) => return None,
         };
-        let left = timeout.saturating_sub(started.elapsed());
-        match tokio::time::timeout(left, inbox_domain::inbox::schema::current_version(&client)).await {
-            Ok(version) => Ok(version.map_err(|e| format!("{e:#}"))),
-            Err(elapsed) => {
-                // Never hand the pool a connection whose query still runs: cancel it, drop it.
-                inbox_domain::db::abandon(client, &state.database);
-                Err(elapsed)
-            }
-        }
+        // Never hand the pool a connection whose query still runs: `within` cancels and drops it.
+        let read = async |client: &mut deadpool_postgres::Object| {
+            inbox_domain::inbox::schema::current_version(client).await
+        };
+        let (_, version) = inbox_domain::db::within(client, deadline, &state.database, read).await?;
+        Some(version.map_err(|e| format!("{e:#}")))
     };
     let not_ready = |error: String| Verdict {
         ready: false,
         body: serde_json::json!({ "status": "not_ready", "error": error }),
     };
     match check.await {
-        Ok(Ok(Some(version))) if version >= expected => {
+        Some(Ok(Some(version))) if version >= expected => {
             Verdict { ready: true, body: serde_json::json!({ "status": "ready", "schema_version": version }) }
         }
-        Ok(Ok(version)) => not_ready(format!(
+        Some(Ok(version)) => not_ready(format!(
             "schema version {} is older than the {expected} this binary expects: run `inbox-worker migrate`",
             version.unwrap_or(0)
         )),
-        Ok(Err(cause)) => {
+        Some(Err(cause)) => {
             // The cause goes to the log only: this port faces the internet.
             tracing::warn!(error = cause, "readiness check failed");
             not_ready("database unavailable".to_owned())
         }
-        Err(_) => not_ready("database timed out".to_owned()),
+        None => not_ready("database timed out".to_owned()),
     }
 }
 

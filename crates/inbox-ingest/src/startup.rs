@@ -83,27 +83,23 @@ pub struct AppState {
 pub const NOTIFY_INTERVAL: Duration = Duration::from_millis(10);
 
 /// Sends the coalesced wake-up NOTIFY until aborted. A NOTIFY with no answer within `timeout`
-/// gives its connection up, as a batch does (crate::batcher::checkout): this task would otherwise
+/// gives its connection up ([`inbox_domain::db::within`]), as a batch does: this task would otherwise
 /// wait on a connection the network dropped silently, and the workers fall back to polling.
 async fn notify_workers(pool: Pool, database: DatabaseConfig, timeout: Duration, wake: Arc<Notify>) {
     loop {
         wake.notified().await;
         if let Ok(client) = pool.get().await {
-            let sent = tokio::time::timeout(
-                timeout,
-                client.batch_execute(inbox_domain::inbox::store::ingest::NOTIFY_SQL),
-            )
-            .await;
-            match sent {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::debug!(
+            let deadline = tokio::time::Instant::now() + timeout;
+            let notify = async |client: &mut deadpool_postgres::Object| {
+                client.batch_execute(inbox_domain::inbox::store::ingest::NOTIFY_SQL).await
+            };
+            match inbox_domain::db::within(client, deadline, &database, notify).await {
+                Some((_, Ok(()))) => {}
+                Some((_, Err(e))) => tracing::debug!(
                     error = %inbox_domain::db::describe_db_error(&e),
                     "wake-up NOTIFY failed (workers fall back to polling)"
                 ),
-                Err(_) => {
-                    inbox_domain::db::abandon(client, &database);
-                    tracing::debug!("wake-up NOTIFY got no answer in time: its connection is given up");
-                }
+                None => tracing::debug!("wake-up NOTIFY got no answer in time: its connection is given up"),
             }
         }
         tokio::time::sleep(NOTIFY_INTERVAL).await;

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use inbox_domain::db::{
-    abandon, build_pool, check_reachable, describe_db_error, describe_pool_error, DatabaseConfig,
-    PoolOptions, Pooler,
+    build_pool, check_reachable, describe_db_error, describe_pool_error, within, DatabaseConfig, PoolOptions,
+    Pooler,
 };
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::{gauges, reconciliation, workers};
@@ -373,24 +373,24 @@ async fn refresh_gauges(
             Err(e) => {
                 tracing::debug!(error = %describe_pool_error(&e), "refreshing queue gauges: no connection")
             }
-            Ok(mut client) => {
-                let refresh = gauges::refresh(&mut client, metrics::GAUGE_INTERVAL);
-                match tokio::time::timeout(metrics::GAUGE_INTERVAL, refresh).await {
-                    Ok(Ok((g, _counted))) => {
+            Ok(client) => {
+                let deadline = tokio::time::Instant::now() + metrics::GAUGE_INTERVAL;
+                let refresh = async |client: &mut deadpool_postgres::Object| {
+                    gauges::refresh(client, metrics::GAUGE_INTERVAL).await
+                };
+                match within(client, deadline, &database, refresh).await {
+                    Some((_, Ok((g, _counted)))) => {
                         metrics.unprocessed.set(g.unprocessed);
                         metrics.ready.set(g.ready);
                         metrics.needs_review.set(g.needs_review);
                         metrics.no_handler.set(g.no_handler);
                         metrics.oldest_unprocessed_age_seconds.set(g.oldest_unprocessed_age_seconds);
                     }
-                    Ok(Err(e)) => {
+                    Some((client, Err(e))) => {
                         tracing::debug!(error = %describe_db_error(&e), "refreshing queue gauges failed");
                         drop(deadpool_postgres::Object::take(client));
                     }
-                    Err(_) => {
-                        tracing::debug!("refreshing queue gauges timed out: cancelled");
-                        abandon(client, &database);
-                    }
+                    None => tracing::debug!("refreshing queue gauges timed out: cancelled"),
                 }
             }
         }
@@ -414,18 +414,18 @@ async fn refresh_open_items(pool: &deadpool_postgres::Pool, database: &DatabaseC
             return;
         }
     };
-    let count = reconciliation::open_count(&client, metrics::GAUGE_INTERVAL);
-    match tokio::time::timeout(metrics::GAUGE_INTERVAL, count).await {
-        Ok(Ok(open)) => {
+    let deadline = tokio::time::Instant::now() + metrics::GAUGE_INTERVAL;
+    let count = async |client: &mut deadpool_postgres::Object| {
+        reconciliation::open_count(client, metrics::GAUGE_INTERVAL).await
+    };
+    match within(client, deadline, database, count).await {
+        Some((_, Ok(open))) => {
             metrics.reconciliation_items_open.set(open);
         }
-        Ok(Err(e)) => {
+        Some((client, Err(e))) => {
             tracing::debug!(error = %describe_db_error(&e), "counting open reconciliation items failed");
             drop(deadpool_postgres::Object::take(client));
         }
-        Err(_) => {
-            tracing::debug!("counting open reconciliation items timed out: cancelled");
-            abandon(client, database);
-        }
+        None => tracing::debug!("counting open reconciliation items timed out: cancelled"),
     }
 }

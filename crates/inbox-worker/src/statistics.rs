@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use inbox_domain::db::{abandon, describe_db_error, describe_pool_error, DatabaseConfig};
+use inbox_domain::db::{describe_db_error, describe_pool_error, within, DatabaseConfig};
 use inbox_domain::inbox::store::{maintenance, TransactionLimits};
 use tokio_postgres::error::SqlState;
 use tokio_util::sync::CancellationToken;
@@ -63,16 +63,19 @@ async fn check(
     metrics: &Metrics,
     refusal_said: &mut bool,
 ) -> bool {
-    let mut client = match pool.get().await {
+    let client = match pool.get().await {
         Ok(client) => client,
         Err(e) => {
             tracing::debug!(error = %describe_pool_error(&e), "checking the inbox's statistics: no connection");
             return false;
         }
     };
-    let analyze = maintenance::analyze_after_stats_reset(&mut client, &LIMITS);
-    match tokio::time::timeout(LIMITS.statement_timeout + Duration::from_secs(5), analyze).await {
-        Ok(Ok(tables)) => {
+    let deadline = tokio::time::Instant::now() + LIMITS.statement_timeout + Duration::from_secs(5);
+    let analyze = async |client: &mut deadpool_postgres::Object| {
+        maintenance::analyze_after_stats_reset(client, &LIMITS).await
+    };
+    match within(client, deadline, database, analyze).await {
+        Some((_, Ok(tables))) => {
             for table in tables {
                 if table.analysed {
                     metrics.count_stats_reset_analysis(&table.table);
@@ -101,7 +104,7 @@ async fn check(
             }
             true
         }
-        Ok(Err(e)) => {
+        Some((client, Err(e))) => {
             let refused = matches!(
                 e.code(),
                 Some(&SqlState::INSUFFICIENT_PRIVILEGE) | Some(&SqlState::UNDEFINED_FUNCTION)
@@ -122,9 +125,8 @@ async fn check(
             // the server shutting down, crashed, or still starting.
             e.code().is_some_and(|code| !code.code().starts_with("08") && !code.code().starts_with("57P0"))
         }
-        Err(_) => {
+        None => {
             tracing::warn!("checking the inbox's statistics timed out: cancelled");
-            abandon(client, database);
             true
         }
     }

@@ -362,10 +362,32 @@ pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Resu
         .context("building the connection pool")
 }
 
+/// Runs `statement` on a pooled connection until `deadline`. Its outcome comes back with the
+/// connection, for the caller to return to the pool (drop it) or discard; a statement with no
+/// answer by then gives `None`, and its connection is taken out of the pool and its statement
+/// cancelled. The one way every caller with a deadline gives a connection up, so that none hands
+/// the pool a connection with a statement still running, or waits on one the network dropped
+/// without a word.
+pub async fn within<T>(
+    mut client: deadpool_postgres::Object,
+    deadline: tokio::time::Instant,
+    database: &DatabaseConfig,
+    statement: impl AsyncFnOnce(&mut deadpool_postgres::Object) -> T,
+) -> Option<(deadpool_postgres::Object, T)> {
+    let answer = tokio::time::timeout_at(deadline, statement(&mut client)).await;
+    match answer {
+        Ok(outcome) => Some((client, outcome)),
+        Err(_) => {
+            abandon(client, database);
+            None
+        }
+    }
+}
+
 /// Gives up on a pooled connection whose statement outlived its caller's deadline: takes it out
 /// of the pool (it is never handed to the next user with a query still running) and asks the
 /// server to cancel what it runs (a dropped query future cancels nothing by itself).
-pub fn abandon(client: deadpool_postgres::Object, database: &DatabaseConfig) {
+fn abandon(client: deadpool_postgres::Object, database: &DatabaseConfig) {
     let token = client.cancel_token();
     let tls = database.connector();
     drop(deadpool_postgres::Object::take(client));

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use deadpool_postgres::Pool;
-use inbox_domain::db::{abandon, describe_db_error, describe_pool_error, DatabaseConfig};
+use inbox_domain::db::{describe_db_error, describe_pool_error, within, DatabaseConfig};
 use inbox_domain::inbox::store::outbox;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -13,6 +13,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::DeliveryOutcome;
@@ -136,26 +137,24 @@ pub async fn refresh_gauges(
     metrics: RelayMetrics,
     stop: CancellationToken,
 ) {
+    let stats = async |client: &mut deadpool_postgres::Object| outbox::stats(&***client).await;
     loop {
         match pool.get().await {
             Err(e) => {
                 tracing::debug!(error = %describe_pool_error(&e), "refreshing outbox gauges: no connection")
             }
-            Ok(client) => match tokio::time::timeout(GAUGE_INTERVAL, outbox::stats(&**client)).await {
-                Ok(Ok(s)) => {
+            Ok(client) => match within(client, Instant::now() + GAUGE_INTERVAL, &database, &stats).await {
+                Some((_, Ok(s))) => {
                     metrics.pending.set(s.pending);
                     metrics.parked.set(s.parked);
                     metrics.blocked_aggregates.set(s.blocked_aggregates);
                     metrics.oldest_pending_age_seconds.set(s.oldest_pending_age_seconds.unwrap_or(0.0));
                 }
-                Ok(Err(e)) => {
+                Some((client, Err(e))) => {
                     tracing::debug!(error = %describe_db_error(&e), "refreshing outbox gauges failed");
                     drop(deadpool_postgres::Object::take(client));
                 }
-                Err(_) => {
-                    tracing::debug!("refreshing outbox gauges timed out: cancelled");
-                    abandon(client, &database);
-                }
+                None => tracing::debug!("refreshing outbox gauges timed out: cancelled"),
             },
         }
         tokio::select! {
