@@ -187,36 +187,33 @@ async fn the_wake_up_outlives_connections_the_network_dropped_silently() {
 
 /// NOTIFYs on a channel, heard on a connection of the test's own (not through the proxy).
 struct WakeUps {
-    heard: tokio::sync::mpsc::UnboundedReceiver<()>,
+    messages: tokio::sync::mpsc::UnboundedReceiver<tokio_postgres::AsyncMessage>,
     /// The listening session: dropping it would end the LISTEN.
     _session: tokio_postgres::Client,
 }
 
 impl WakeUps {
     async fn recv_within(&mut self, limit: Duration) -> bool {
-        matches!(tokio::time::timeout(limit, self.heard.recv()).await, Ok(Some(())))
+        let heard = async {
+            while let Some(message) = self.messages.recv().await {
+                if let tokio_postgres::AsyncMessage::Notification(_) = message {
+                    return true;
+                }
+            }
+            false
+        };
+        tokio::time::timeout(limit, heard).await.unwrap_or(false)
     }
 
     fn drain(&mut self) {
-        while self.heard.try_recv().is_ok() {}
+        while self.messages.try_recv().is_ok() {}
     }
 }
 
 async fn listen(db: &TestDb, channel: &str) -> WakeUps {
-    use futures_util::StreamExt as _;
-    let (client, mut connection) =
-        tokio_postgres::connect(&db.url(), tokio_postgres::NoTls).await.expect("connecting to PostgreSQL");
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(message)) = messages.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(_) = message {
-                let _ = tx.send(());
-            }
-        }
-    });
-    client.batch_execute(&format!("LISTEN {channel}")).await.unwrap();
-    WakeUps { heard: rx, _session: client }
+    let (session, messages) = inbox_test_support::db::connect_with_messages(&db.config()).await;
+    session.batch_execute(&format!("LISTEN {channel}")).await.unwrap();
+    WakeUps { messages, _session: session }
 }
 
 #[tokio::test]

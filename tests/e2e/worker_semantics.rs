@@ -970,23 +970,11 @@ async fn a_batch_leased_or_processed_in_one_statement_keeps_the_queue_table_in_o
 }
 
 /// A connection to `db` on which `auto_explain` sends the plan of every statement, the triggers'
-/// included (`log_nested_statements`), to the client as a notice; the notices, in order.
+/// included (`log_nested_statements`), to the client as a notice; the messages, in order.
 async fn explaining_client(
     db: &TestDb,
-) -> (tokio_postgres::Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
-    use futures_util::StreamExt as _;
-    use tokio_postgres::AsyncMessage;
-    let (client, mut connection) =
-        tokio_postgres::connect(&db.url(), tokio_postgres::NoTls).await.expect("connecting to PostgreSQL");
-    let (plans_tx, plans) = tokio::sync::mpsc::unbounded_channel::<String>();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(message)) = messages.next().await {
-            if let AsyncMessage::Notice(notice) = message {
-                let _ = plans_tx.send(notice.message().to_owned());
-            }
-        }
-    });
+) -> (tokio_postgres::Client, tokio::sync::mpsc::UnboundedReceiver<tokio_postgres::AsyncMessage>) {
+    let (client, messages) = inbox_test_support::db::connect_with_messages(&db.config()).await;
     client
         .batch_execute(
             "LOAD 'auto_explain';
@@ -995,7 +983,7 @@ async fn explaining_client(
         )
         .await
         .unwrap();
-    (client, plans)
+    (client, messages)
 }
 
 /// The plans `auto_explain` has sent to `client` so far (see [`explaining_client`]), in order, each
@@ -1003,11 +991,13 @@ async fn explaining_client(
 /// statement before have arrived.
 async fn reported_plans(
     client: &tokio_postgres::Client,
-    plans: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    messages: &mut tokio::sync::mpsc::UnboundedReceiver<tokio_postgres::AsyncMessage>,
 ) -> Vec<(String, String)> {
     client.batch_execute("SELECT 1").await.unwrap();
     let mut reported = Vec::new();
-    while let Ok(plan) = plans.try_recv() {
+    while let Ok(message) = messages.try_recv() {
+        let tokio_postgres::AsyncMessage::Notice(notice) = message else { continue };
+        let plan = notice.message().to_owned();
         if let Some(text) = plan.split("Query Text: ").nth(1) {
             reported.push((text.to_owned(), plan));
         }

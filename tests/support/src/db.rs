@@ -54,6 +54,21 @@ pub async fn connect(config: &Config) -> Client {
     client
 }
 
+/// Connects with `config` and drives the connection, handing over what the server sends outside
+/// any query's reply — notices, NOTIFYs — in order.
+pub async fn connect_with_messages(
+    config: &Config,
+) -> (Client, tokio::sync::mpsc::UnboundedReceiver<tokio_postgres::AsyncMessage>) {
+    let (client, mut connection) = config.connect(NoTls).await.expect("connecting to PostgreSQL");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(Ok(message)) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            let _ = tx.send(message);
+        }
+    });
+    (client, rx)
+}
+
 /// One `SELECT count(*) …` (or any single bigint) query, on a client or inside a transaction.
 pub async fn scalar(client: &(impl tokio_postgres::GenericClient + Sync), sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
