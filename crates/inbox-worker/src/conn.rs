@@ -40,8 +40,8 @@ impl Drop for Conn {
     fn drop(&mut self) {
         if let Some(object) = self.object.take() {
             if !self.clean {
-                // Detach from the pool and close: the server rolls back whatever was open.
-                drop(Object::take(object));
+                // The server rolls back whatever was open.
+                inbox_domain::db::discard(object);
             }
         }
     }

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use inbox_domain::db::{
-    build_pool, check_reachable, describe_db_error, describe_pool_error, within, DatabaseConfig, PoolOptions,
-    Pooler,
+    build_pool, check_reachable, describe_db_error, describe_pool_error, discard, within, DatabaseConfig,
+    PoolOptions, Pooler,
 };
 use inbox_domain::handler::Registry;
 use inbox_domain::inbox::store::{gauges, reconciliation, workers};
@@ -388,7 +388,7 @@ async fn refresh_gauges(
                     }
                     Some((client, Err(e))) => {
                         tracing::debug!(error = %describe_db_error(&e), "refreshing queue gauges failed");
-                        drop(deadpool_postgres::Object::take(client));
+                        discard(client);
                     }
                     None => tracing::debug!("refreshing queue gauges timed out: cancelled"),
                 }
@@ -424,7 +424,7 @@ async fn refresh_open_items(pool: &deadpool_postgres::Pool, database: &DatabaseC
         }
         Some((client, Err(e))) => {
             tracing::debug!(error = %describe_db_error(&e), "counting open reconciliation items failed");
-            drop(deadpool_postgres::Object::take(client));
+            discard(client);
         }
         None => tracing::debug!("counting open reconciliation items timed out: cancelled"),
     }

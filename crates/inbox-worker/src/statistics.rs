@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use inbox_domain::db::{describe_db_error, describe_pool_error, within, DatabaseConfig};
+use inbox_domain::db::{describe_db_error, describe_pool_error, discard, within, DatabaseConfig};
 use inbox_domain::inbox::store::{maintenance, TransactionLimits};
 use tokio_postgres::error::SqlState;
 use tokio_util::sync::CancellationToken;
@@ -120,7 +120,7 @@ async fn check(
             } else {
                 tracing::debug!(error = %describe_db_error(&e), "checking the inbox's statistics failed");
             }
-            drop(deadpool_postgres::Object::take(client));
+            discard(client);
             // No SQLSTATE: the connection failed. Class 08: connection exceptions; 57P01..57P03:
             // the server shutting down, crashed, or still starting.
             e.code().is_some_and(|code| !code.code().starts_with("08") && !code.code().starts_with("57P0"))

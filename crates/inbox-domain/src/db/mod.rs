@@ -384,13 +384,20 @@ pub async fn within<T>(
     }
 }
 
+/// Takes a pooled connection out of the pool and closes it, instead of handing it to the next
+/// user: for a connection whose statement failed in a way that may have left it unusable, or in an
+/// unknown transaction state. The server ends its session and rolls back whatever was open.
+pub fn discard(client: deadpool_postgres::Object) {
+    drop(deadpool_postgres::Object::take(client));
+}
+
 /// Gives up on a pooled connection whose statement outlived its caller's deadline: takes it out
 /// of the pool (it is never handed to the next user with a query still running) and asks the
 /// server to cancel what it runs (a dropped query future cancels nothing by itself).
 fn abandon(client: deadpool_postgres::Object, database: &DatabaseConfig) {
     let token = client.cancel_token();
     let tls = database.connector();
-    drop(deadpool_postgres::Object::take(client));
+    discard(client);
     tokio::spawn(async move {
         if let Err(e) = token.cancel_query(tls).await {
             tracing::debug!(error = %describe_db_error(&e), "cancel request failed");

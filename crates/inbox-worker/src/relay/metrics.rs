@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use deadpool_postgres::Pool;
-use inbox_domain::db::{describe_db_error, describe_pool_error, within, DatabaseConfig};
+use inbox_domain::db::{describe_db_error, describe_pool_error, discard, within, DatabaseConfig};
 use inbox_domain::inbox::store::outbox;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -152,7 +152,7 @@ pub async fn refresh_gauges(
                 }
                 Some((client, Err(e))) => {
                     tracing::debug!(error = %describe_db_error(&e), "refreshing outbox gauges failed");
-                    drop(deadpool_postgres::Object::take(client));
+                    discard(client);
                 }
                 None => tracing::debug!("refreshing outbox gauges timed out: cancelled"),
             },
