@@ -32,6 +32,8 @@
 //!          `--soak-sample` (receive→processed p50/p99, claim latency, table/TOAST/index sizes,
 //!          dead tuples, HOT share, WAL, commits and dead index entries per event, RSS and CPU per
 //!          event of each process) into <out>/soak/samples.csv, samples.json and SVG charts;
+//!          stopped as failed once a sample's p99 is over `--soak-max-lag` (a rate the machine
+//!          does not carry);
 //!   disk   not in the default list: 8 KiB writes, each made durable by `fdatasync`, back to back
 //!          for `--disk-duration` in `--disk-dir`, before any other phase: the flush's
 //!          percentiles and the stalls over 20 ms, what every commit's WAL flush waits for;
@@ -205,6 +207,11 @@ pub struct Args {
     /// Webhooks/s of the soak phase [default: half of (b)'s rate at 32 connections].
     #[arg(long)]
     soak_rate: Option<f64>,
+    /// Stops the soak phase, as failed, once a sample's receive→processed p99 is over this: the
+    /// pipeline is that far behind the load, so the machine does not carry `--soak-rate`, and
+    /// the rest of the run would only grow the backlog (0: never stop).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    soak_max_lag: Duration,
     /// Also copy the soak phase's SVG charts to docs/performance/soak/.
     #[arg(long)]
     soak_publish: bool,
@@ -642,6 +649,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "soak_purge_every_s": a.soak_purge_every.as_secs_f64(),
         "soak_snapshot_s": a.soak_snapshot.as_secs_f64(),
         "soak_rate": a.soak_rate,
+        "soak_max_lag_s": a.soak_max_lag.as_secs_f64(),
         "soak_publish": a.soak_publish,
         "soak_wal_by_table": a.soak_wal_by_table,
         "pgbench_threads": a.pgbench_threads,

@@ -870,6 +870,28 @@ async fn hold_snapshot(
     Ok((start, t0.elapsed().as_secs_f64(), rows))
 }
 
+/// Why the soak stops early, if `sample`'s events waited longer than `max_lag` (p99) from receipt
+/// to processing: the load outruns the pipeline, and the backlog only grows from there. What a
+/// healthy run shows is far below: a p99 of tens of milliseconds, a second or two while a purge
+/// or the held snapshot runs (docs/performance.md, "Soak").
+fn fell_behind(sample: &Sample, rate: f64, max_lag: Duration) -> Option<String> {
+    let p99_ms = sample.p99_ms?;
+    if max_lag.is_zero() || p99_ms <= max_lag.as_secs_f64() * 1000.0 {
+        return None;
+    }
+    Some(format!(
+        "the pipeline fell behind the load: the events processed in the sample ending at {:.1} min \
+         waited {:.0} s (p99) from receipt to processing, over --soak-max-lag {}; they were processed \
+         at {:.0}/s against {rate:.0} sent/s. This machine does not carry that rate: choose one it \
+         does with --soak-rate (make soak: SOAK_ARGS='--soak-rate N'), well below the rate processed \
+         here (the soaks in docs/performance.md ran 2 cores at 800/s)",
+        sample.t / 60.0,
+        p99_ms / 1000.0,
+        humantime::format_duration(max_lag),
+        sample.events_per_s()
+    ))
+}
+
 pub async fn run(ctx: &Ctx, rate: f64, rate_source: &str) -> anyhow::Result<Value> {
     let db = ctx.server.create_db("soak").await?;
     let result = soak(ctx, rate, rate_source, &db).await;
@@ -926,6 +948,11 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
         while t0 + every * k <= end {
             tokio::time::sleep_until((t0 + every * k).into()).await;
             sampler.step(ctx, &mut services, false, 0).await?;
+            if let Some(last) = sampler.samples.last() {
+                if let Some(why) = fell_behind(last, rate, a.soak_max_lag) {
+                    bail!("{why}");
+                }
+            }
             k += 1;
         }
         anyhow::Ok(())
@@ -1419,4 +1446,32 @@ fn charts(
         ),
     ];
     all.into_iter().filter(|(_, c)| !c.series.is_empty()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(p99_ms: Option<f64>) -> Sample {
+        Sample { t: 90.0, window: 10.0, processed: 8_500, p99_ms, ..Sample::default() }
+    }
+
+    #[test]
+    fn a_soak_stops_once_a_samples_p99_is_past_the_allowed_lag() {
+        let lag = Duration::from_secs(30);
+        assert_eq!(fell_behind(&sample(Some(800.0)), 6000.0, lag), None, "a purge's second is not a backlog");
+        assert_eq!(fell_behind(&sample(Some(30_000.0)), 6000.0, lag), None, "at the limit, not past it");
+        let why = fell_behind(&sample(Some(75_000.0)), 6000.0, lag).expect("past the limit");
+        for part in
+            ["1.5 min", "waited 75 s", "--soak-max-lag 30s", "at 850/s against 6000 sent/s", "--soak-rate"]
+        {
+            assert!(why.contains(part), "{part:?} in {why}");
+        }
+    }
+
+    #[test]
+    fn a_soak_without_a_lag_limit_or_without_processed_events_goes_on() {
+        assert_eq!(fell_behind(&sample(Some(600_000.0)), 6000.0, Duration::ZERO), None);
+        assert_eq!(fell_behind(&sample(None), 6000.0, Duration::from_secs(30)), None);
+    }
 }
