@@ -948,10 +948,8 @@ async fn soak(ctx: &Ctx, rate: f64, rate_source: &str, db: &pg::BenchDb) -> anyh
         while t0 + every * k <= end {
             tokio::time::sleep_until((t0 + every * k).into()).await;
             sampler.step(ctx, &mut services, false, 0).await?;
-            if let Some(last) = sampler.samples.last() {
-                if let Some(why) = fell_behind(last, rate, a.soak_max_lag) {
-                    bail!("{why}");
-                }
+            if let Some(why) = sampler.samples.last().and_then(|s| fell_behind(s, rate, a.soak_max_lag)) {
+                bail!("{why}");
             }
             k += 1;
         }
