@@ -119,6 +119,62 @@ async fn no_secret_in_logs_or_responses_even_at_debug_level() {
     assert_eq!(db.count("webhook_inbox").await, 1);
 }
 
+/// The span's fields are recorded one by one as the request learns them (the endpoint once it is
+/// known to be configured, the event's id and type once the body is verified): each JSON line
+/// carries them all once, under "span", and a refused body's id is never among them.
+#[tokio::test]
+async fn a_json_line_carries_the_webhooks_span_with_each_field_recorded_and_no_unverified_id() {
+    let db = TestDb::new().await;
+    let mut cmd = ingest(&db.url(), &format!("billing={SECRET_A}"));
+    cmd.env("LOG_FORMAT", "json").env("RUST_LOG", "info");
+    let (proc, base) = tokio::task::spawn_blocking(move || start(cmd)).await.unwrap();
+    let http = inbox_test_support::app::http_client();
+    let url = format!("{base}/webhooks/stripe/billing");
+    let body = invoice_paid("evt_span", "in_span", 100);
+    let signature = sign(SECRET_A, &body);
+    let ok = http.post(&url).header("Stripe-Signature", signature).body(body).send().await.unwrap();
+    assert_eq!(ok.status().as_u16(), 200);
+    let forged = invoice_paid("evt_forged", "in_forged", 100);
+    let refused = http.post(&url).header("Stripe-Signature", "t=1,v1=00").body(forged).send().await.unwrap();
+    assert_eq!(refused.status().as_u16(), 400);
+    // The answers can arrive before the process's lines have been read.
+    proc.wait_for_line("webhook refused", Duration::from_secs(10));
+    let logs = proc.output();
+    let lines: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let line = |message: &str| {
+        let found = lines.iter().find(|l| l["message"] == message).cloned();
+        found.unwrap_or_else(|| panic!("no {message:?} line:\n{logs}"))
+    };
+
+    let stored = line("webhook stored");
+    assert_eq!(
+        stored["span"],
+        serde_json::json!({
+            "name": "webhook", "provider": "stripe", "endpoint": "billing",
+            "event_id": "evt_span", "event_type": "invoice.paid",
+        }),
+        "{stored}"
+    );
+    assert_eq!(
+        (&stored["level"], &stored["target"]),
+        (&"INFO".into(), &"inbox_ingest::routes".into()),
+        "{stored}"
+    );
+    assert_eq!(stored["outcome"], "accepted", "{stored}");
+    assert!(stored["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')), "{stored}");
+    assert!(stored["elapsed_ms"].is_number(), "{stored}");
+    assert!(stored.get("spans").is_none(), "one copy of the span's fields per line: {stored}");
+
+    let refusal = line("webhook refused");
+    assert_eq!(
+        refusal["span"],
+        serde_json::json!({ "name": "webhook", "provider": "stripe", "endpoint": "billing" }),
+        "{refusal}"
+    );
+    assert!(!logs.contains("evt_forged"), "an unverified body's id is not logged:\n{logs}");
+    drop(proc);
+}
+
 #[tokio::test]
 async fn sigterm_answers_in_flight_requests_then_exits_0() {
     let db = TestDb::new().await;
