@@ -490,3 +490,20 @@ async fn logs_off_a_terminal_are_plain_text_with_rounded_durations_and_the_event
         drop(proc);
     }
 }
+
+/// A JSON line from a crate that logs through `log` (refinery's migrations, tokio-postgres's
+/// notices) names that crate as its target, so `RUST_LOG=refinery_core=warn` and a collector's
+/// filter agree on it; "log", the bridge's own target, would name every such crate alike.
+#[tokio::test]
+async fn a_json_line_from_a_crate_logging_through_log_names_that_crate_as_its_target() {
+    let db = TestDb::empty().await;
+    let mut cmd = command("inbox-worker");
+    cmd.env("DATABASE_URL", db.url()).env("LOG_FORMAT", "json").env("RUST_LOG", "info").arg("migrate");
+    let (code, output) = run(cmd, Duration::from_secs(60));
+    assert_eq!(code, 0, "{output}");
+    let lines: Vec<serde_json::Value> = output.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let applying = lines.iter().find(|l| l["message"] == "applying migration: V1__inbox_schema");
+    let applying = applying.unwrap_or_else(|| panic!("no line for V1:\n{output}"));
+    assert_eq!(applying["target"], "refinery_core::traits::r#async", "{applying}");
+    assert_eq!(applying["level"], "INFO", "{applying}");
+}

@@ -4,6 +4,7 @@
 
 use std::io::IsTerminal;
 
+use tracing_log::NormalizeEvent;
 use tracing_subscriber::EnvFilter;
 
 /// Log output format (`--log-format`, `LOG_FORMAT`).
@@ -49,11 +50,18 @@ pub fn init_tracing(format: Option<LogFormat>) {
     // ~3 µs less (docs/performance.md, "What the logs cost"). The event's span (a webhook's or an
     // event's key) once, under "span": the list of every span around it only repeated it.
     let json_lines = json.then(|| {
-        json_subscriber::layer()
+        let mut layer = json_subscriber::layer()
             .with_writer(std::io::stderr)
             .flatten_event(true)
             .with_current_span(true)
-            .with_span_list(false)
+            .with_span_list(false);
+        // A line from a crate that logs through `log` (tokio-postgres, refinery) names that crate
+        // as its target, as tracing-subscriber's format did; json-subscriber alone would say "log".
+        layer.inner_layer_mut().add_dynamic_field("target", |event, _| {
+            let normalized = event.normalized_metadata();
+            Some(normalized.as_ref().unwrap_or_else(|| event.metadata()).target().to_owned())
+        });
+        layer
     });
     // Colour codes only for a person at a terminal: text logs sent to a file or a collector stay
     // plain.
