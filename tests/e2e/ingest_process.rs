@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use inbox_test_support::db::slow_writes;
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
-use inbox_test_support::process::{command, run, start_ingest as start};
+use inbox_test_support::process::{command, json_lines, run, start_ingest as start};
 use inbox_test_support::TestDb;
 
 const DB_PASSWORD: &str = "db-password-never-printed";
@@ -140,7 +140,7 @@ async fn a_json_line_carries_the_webhooks_span_with_each_field_recorded_and_no_u
     // The answers can arrive before the process's lines have been read.
     proc.wait_for_line("webhook refused", Duration::from_secs(10));
     let logs = proc.output();
-    let lines: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let lines = json_lines(&logs);
     let line = |message: &str| {
         let found = lines.iter().find(|l| l["message"] == message).cloned();
         found.unwrap_or_else(|| panic!("no {message:?} line:\n{logs}"))
@@ -237,7 +237,7 @@ async fn an_odd_secret_and_a_misspelt_endpoint_are_warned_about_by_name() {
     // The answer can arrive before the process's log line has been read.
     proc.wait_for_line("\"requested\":\"Billing\"", Duration::from_secs(10));
     let logs = proc.output();
-    let lines: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let lines = json_lines(&logs);
     let secret_warning = lines.iter().find(|l| {
         l["level"] == "WARN"
             && l["message"].as_str().is_some_and(|m| m.contains("does not start with whsec_"))
@@ -278,9 +278,8 @@ async fn a_body_over_the_limit_is_413_and_the_log_names_the_limit_and_its_settin
     .unwrap();
     let proc = logs;
     let logs = proc.output();
-    let line = logs
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    let line = json_lines(&logs)
+        .into_iter()
         .find(|l| l["outcome"] == "too_large")
         .unwrap_or_else(|| panic!("no line for the 413:\n{logs}"));
     assert_eq!(line["level"], "WARN", "{line}");

@@ -11,7 +11,7 @@ use inbox_test_support::app::concurrent_posts;
 use inbox_test_support::db::{scalar, url_with_dbname};
 use inbox_test_support::events::{invoice_paid, sign, SECRET_A};
 use inbox_test_support::pgbouncer::PgBouncer;
-use inbox_test_support::process::{command, run, start_ingest, Proc};
+use inbox_test_support::process::{command, json_lines, run, start_ingest, Proc};
 use inbox_test_support::proxy::postgres_addr;
 use inbox_test_support::worker::eventually;
 use inbox_test_support::TestDb;
@@ -181,7 +181,7 @@ async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fi
     let logs = ingest.wait_for_output("the database settings are wrong", Duration::from_secs(10));
 
     // The log names the SQLSTATE, the server's message and the setting, at error level.
-    let named = logs.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find(|l| {
+    let named = json_lines(&logs).into_iter().find(|l| {
         l["level"] == "ERROR" && l["fix"].as_str().is_some_and(|f| f.contains("INBOX_DB_POOLER=transaction"))
     });
     let named = named.unwrap_or_else(|| panic!("an error line naming the fix:\n{logs}"));
@@ -226,7 +226,7 @@ async fn behind_a_transaction_pooler_without_the_setting_the_worker_names_the_fi
     worker.args(["run", "--poll-interval", "50ms", "--batch-size", "1", "--concurrency", "16"]);
     let worker = Proc::spawn(worker);
     let logs = worker.wait_for_output("the database settings are wrong", Duration::from_secs(30));
-    let named = logs.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).find(|l| {
+    let named = json_lines(&logs).into_iter().find(|l| {
         l["level"] == "ERROR"
             && l["error"].as_str().is_some_and(|e| {
                 e.contains("prepared statement") && e.contains("INBOX_DB_POOLER=transaction")

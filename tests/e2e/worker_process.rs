@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use inbox_test_support::db::{scalar, slow_writes, snapshot};
 use inbox_test_support::events::{invoice_paid, SECRET_A};
-use inbox_test_support::process::{command, rss_kib, run, Proc};
+use inbox_test_support::process::{command, json_lines, rss_kib, run, Proc};
 use inbox_test_support::worker::{eventually, store_event};
 use inbox_test_support::{spawn_app_with, TestDb};
 
@@ -501,7 +501,7 @@ async fn a_json_line_from_a_crate_logging_through_log_names_that_crate_as_its_ta
     cmd.env("DATABASE_URL", db.url()).env("LOG_FORMAT", "json").env("RUST_LOG", "info").arg("migrate");
     let (code, output) = run(cmd, Duration::from_secs(60));
     assert_eq!(code, 0, "{output}");
-    let lines: Vec<serde_json::Value> = output.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let lines = json_lines(&output);
     let applying = lines.iter().find(|l| l["message"] == "applying migration: V1__inbox_schema");
     let applying = applying.unwrap_or_else(|| panic!("no line for V1:\n{output}"));
     assert_eq!(applying["target"], "refinery_core::traits::r#async", "{applying}");

@@ -276,6 +276,12 @@ pub fn kill(pid: i32, signal: i32) -> i32 {
     unsafe { libc::kill(pid, signal) }
 }
 
+/// The JSON log lines in a process's `output`, in order; lines that are not JSON (a text log, a
+/// panic, a command's own printout) are left out.
+pub fn json_lines(output: &str) -> Vec<serde_json::Value> {
+    output.lines().filter_map(|line| serde_json::from_str(line).ok()).collect()
+}
+
 /// Runs a binary to completion and returns (exit code, stdout + stderr).
 pub fn run(cmd: Command, timeout: Duration) -> (i32, String) {
     let (code, _, output) = run_split(cmd, timeout);
