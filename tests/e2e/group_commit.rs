@@ -190,24 +190,90 @@ fn a_few_requests_behind_a_batch_in_flight_wait_and_share_the_next_batch() {
     assert_eq!(rt.block_on(batch_log(&app)), [(1, false), (3, false)]);
 }
 
-/// As many requests as make a batch worth its own commit (`JOIN_AT`) start one beside the batch
-/// in flight instead of waiting for it.
+/// An ingest with four batch writers whose every INSERT first waits for the table `gate`, which a
+/// test holds locked as long as it likes, and logs each committed batch's rows and backend.
+async fn gated_writers_with_log() -> TestApp {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE TABLE gate ();
+             CREATE TABLE batch_log (started timestamptz, ended timestamptz, rows bigint, backend int);
+             CREATE FUNCTION pass_gate() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN LOCK TABLE gate IN ACCESS SHARE MODE; RETURN NULL; END $$;
+             CREATE TRIGGER pass_gate BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION pass_gate();
+             CREATE FUNCTION log_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO batch_log
+                        SELECT statement_timestamp(), clock_timestamp(), count(*), pg_backend_pid() FROM new_rows;
+                        RETURN NULL; END $$;
+             CREATE TRIGGER log_batch AFTER INSERT ON webhook_inbox REFERENCING NEW TABLE AS new_rows
+               FOR EACH STATEMENT EXECUTE FUNCTION log_batch();",
+        )
+        .await
+        .unwrap();
+    spawn_app_with(db, |s| {
+        s.pool_size = 6; // four writers
+        s.db_timeout = Duration::from_secs(10);
+    })
+    .await
+}
+
+/// As many requests as make a batch worth its own commit (`JOIN_AT`) form a batch while the first
+/// is in flight, and it is sent at once behind the first on the same connection: one backend runs
+/// both, one after the other, instead of two extending the table side by side.
 #[test]
-fn enough_requests_behind_a_batch_in_flight_start_their_own_beside_it() {
+fn enough_requests_behind_a_batch_in_flight_are_sent_behind_it_on_the_same_connection() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let app = rt.block_on(slow_writers_with_log(|_| {}));
-    let first = first_batch_in_flight(&rt, &app);
+    let app = rt.block_on(gated_writers_with_log());
+    let (gate, observer) = rt.block_on(async {
+        let gate = app.db.client().await;
+        gate.batch_execute("BEGIN; LOCK TABLE gate IN ACCESS EXCLUSIVE MODE").await.unwrap();
+        // Outside the gate's transaction, which would keep its first view of pg_stat_activity.
+        (gate, app.db.client().await)
+    });
+    let inserting = "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND state = 'active'
+                        AND query LIKE 'INSERT INTO webhook_inbox%'";
+    let address = app.address.clone();
+    let first = std::thread::spawn(move || {
+        concurrent_posts(&address, vec![signed(invoice_paid("evt_first", "in_0", 1))])
+    });
+    rt.block_on(async {
+        let started =
+            eventually(Duration::from_secs(5), || async { scalar(&observer, inserting).await > 0 }).await;
+        assert!(started, "the first request's batch never reached the gate");
+    });
     let n = inbox_ingest::batcher::JOIN_AT + 2;
     let wave: Vec<_> = (0..n).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
-    let replies = concurrent_posts(&app.address, wave);
-    assert!(replies.iter().chain(&first.join().unwrap()).all(|r| r.status == 200), "{replies:?}");
-    let log = rt.block_on(batch_log(&app));
+    let address = app.address.clone();
+    let wave = std::thread::spawn(move || concurrent_posts(&address, wave));
+    rt.block_on(async {
+        let sent = eventually(Duration::from_secs(5), || async { batches(&app).await.0 >= 2.0 }).await;
+        assert!(sent, "no second batch while the first waits: {:?}", batches(&app).await);
+        assert_eq!(scalar(&observer, inserting).await, 1, "the second batch went to a connection of its own");
+        gate.batch_execute("COMMIT").await.unwrap();
+    });
+    let replies: Vec<_> = first.join().unwrap().into_iter().chain(wave.join().unwrap()).collect();
+    assert!(replies.iter().all(|r| r.status == 200 && r.body["status"] == "accepted"), "{replies:?}");
+    let log: Vec<(i64, bool, i32)> = rt.block_on(async {
+        app.db
+            .client()
+            .await
+            .query(
+                "SELECT rows, started < lag(ended) OVER (ORDER BY started) IS TRUE, backend
+                   FROM batch_log ORDER BY started",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect()
+    });
     assert_eq!(log.iter().map(|b| b.0).sum::<i64>(), n as i64 + 1, "{log:?}");
     assert_eq!(log[0].0, 1, "{log:?}");
-    assert!(
-        log[1].0 >= inbox_ingest::batcher::JOIN_AT as i64 && log[1].1,
-        "the wave's batch overlaps the first: {log:?}"
-    );
+    assert!(log[1].0 >= inbox_ingest::batcher::JOIN_AT as i64, "{log:?}");
+    assert!(log.iter().all(|b| !b.1 && b.2 == log[0].2), "one backend, one batch after another: {log:?}");
 }
 
 /// Room for the bytes of one payload and no more.

@@ -3,11 +3,14 @@
 //!
 //! Batching is "natural": a writer takes whatever requests are queued when it becomes free, so a
 //! lone request is written at once (no timer) and under load the batches grow while the previous
-//! commits are in flight. Up to `writers` batches are in flight at once (each holds one pooled
-//! connection), but a batch only starts beside another one once [`JOIN_AT`] requests wait for it:
-//! a commit of five rows costs PostgreSQL nearly what one of thirty does, so at moderate rates one
-//! writer at a time takes everything that arrived during the previous commit, and the others
-//! join as the queue grows. A failed batch answers 503 to each of its requests; a batch refused
+//! commits are in flight. Up to `writers` batches are in flight at once, but a batch only starts
+//! while another one is in flight once [`JOIN_AT`] requests wait for it: a commit of five rows
+//! costs PostgreSQL nearly what one of thirty does, so at moderate rates one writer at a time takes
+//! everything that arrived during the previous commit, and the others join as the queue grows.
+//! Connected directly, every batch is written on one connection (see [`Lane`]): a batch started
+//! while another is in flight is sent behind it, and the server runs it the moment the first has
+//! committed. Behind a transaction pooler each batch takes a pooled connection of its own.
+//! A failed batch answers 503 to each of its requests; a batch refused
 //! for its data (see `BatchError::Refused`: the same rows fail on every retry) is retried one row
 //! at a time, so one poison request never fails its neighbours. A single body that `jsonb`
 //! refuses is stored all the same, byte for byte, held as unstorable and parked (see
@@ -84,8 +87,9 @@ impl Batcher {
         let (queue, rx) = mpsc::channel(MAX_BATCH * writers.max(1) * 4);
         let shared =
             Arc::new(Writers { queue: Mutex::new(rx), writing: AtomicUsize::new(0), changed: Notify::new() });
+        let lane = Arc::new(Lane::default());
         for _ in 0..writers.max(1) {
-            tokio::spawn(writer(shared.clone(), target.clone(), metrics.clone()));
+            tokio::spawn(writer(shared.clone(), target.clone(), lane.clone(), metrics.clone()));
         }
         Batcher { queue, writers: shared }
     }
@@ -175,7 +179,7 @@ pub struct Target {
     pub outage: Arc<OutageLog>,
 }
 
-async fn writer(shared: Arc<Writers>, target: Target, metrics: Metrics) {
+async fn writer(shared: Arc<Writers>, target: Target, lane: Arc<Lane>, metrics: Metrics) {
     loop {
         let (_writing, batch) = {
             let mut rx = shared.queue.lock().await;
@@ -196,7 +200,7 @@ async fn writer(shared: Arc<Writers>, target: Target, metrics: Metrics) {
             (Writing::start(&shared), batch)
         };
         metrics.batch(batch.len());
-        write(&target, batch).await;
+        write(&target, &lane, batch).await;
     }
 }
 
@@ -218,7 +222,7 @@ impl Drop for Writing<'_> {
 }
 
 /// Writes one batch and answers every request in it.
-async fn write(target: &Target, batch: Vec<Pending>) {
+async fn write(target: &Target, lane: &Lane, batch: Vec<Pending>) {
     // One row per key: the first request of a key decides, the others are its duplicates.
     let mut first_of: HashMap<(&str, &str), usize> = HashMap::new();
     let mut rows = Vec::with_capacity(batch.len());
@@ -227,7 +231,7 @@ async fn write(target: &Target, batch: Vec<Pending>) {
             rows.push(p.row());
         }
     }
-    let result = insert(target, &rows).await;
+    let result = insert(target, lane, &rows).await;
     let answers: Vec<Result<InsertOutcome, IngestError>> = match result {
         Ok(inserted) => batch
             .iter()
@@ -247,7 +251,7 @@ async fn write(target: &Target, batch: Vec<Pending>) {
             let mut answers = Vec::with_capacity(batch.len());
             for (i, p) in batch.iter().enumerate() {
                 let first = first_of[&(p.endpoint.as_str(), p.event_id.as_str())] == i;
-                answers.push(store_one(target, &p.row(), first).await);
+                answers.push(store_one(target, lane, &p.row(), first).await);
             }
             answers
         }
@@ -267,8 +271,13 @@ async fn write(target: &Target, batch: Vec<Pending>) {
 }
 
 /// How one row is answered when written on its own: stored, a duplicate, or kept as unstorable.
-async fn store_one(target: &Target, row: &NewEvent<'_>, first: bool) -> Result<InsertOutcome, IngestError> {
-    match insert(target, std::slice::from_ref(row)).await {
+async fn store_one(
+    target: &Target,
+    lane: &Lane,
+    row: &NewEvent<'_>,
+    first: bool,
+) -> Result<InsertOutcome, IngestError> {
+    match insert(target, lane, std::slice::from_ref(row)).await {
         Ok(inserted) if first && !inserted.is_empty() => Ok(InsertOutcome::Accepted),
         Ok(_) => Ok(InsertOutcome::Duplicate),
         Err(refused @ BatchError::Refused { .. }) => keep_refused(target, row, refused).await,
@@ -331,12 +340,50 @@ impl From<BatchError> for IngestError {
 }
 
 /// Inserts a batch within `--db-timeout`, the wait for a connection included.
-async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(String, String)>, BatchError> {
+async fn insert(
+    target: &Target,
+    lane: &Lane,
+    rows: &[NewEvent<'_>],
+) -> Result<HashSet<(String, String)>, BatchError> {
     let unavailable = |cause: Cow<'static, str>| {
         target.outage.failed("storing a batch", &cause);
         BatchError::Unavailable(cause)
     };
     let deadline = Instant::now() + target.timeout;
+    if target.pooler == Pooler::None {
+        let client = lane.connection(target, deadline).await.map_err(unavailable)?;
+        let stored = store::insert_events(
+            &client,
+            target.pooler,
+            PROVIDER_STRIPE,
+            rows,
+            target.keep_raw,
+            target.timeout,
+        );
+        return match tokio::time::timeout_at(deadline, stored).await {
+            Ok(Ok(inserted)) => {
+                target.outage.succeeded();
+                Ok(inserted.into_iter().collect())
+            }
+            Ok(Err(e)) => {
+                let error = classify(target, e);
+                // A refusal of the rows leaves the session as it was; anything else may have ended
+                // it (a terminated backend, a lost connection), and the next batch takes a new one.
+                if matches!(error, BatchError::Unavailable(_)) {
+                    lane.give_up(&client);
+                }
+                Err(error)
+            }
+            Err(_) => {
+                // No answer in time: the network may have dropped the connection without a word.
+                // The batches queued behind this one fail with it (503: the outcome is unknown,
+                // and Stripe's retry meets `ON CONFLICT`).
+                lane.give_up(&client);
+                inbox_domain::db::cancel(client.cancel_token(), &target.database);
+                Err(unavailable(timed_out(target)))
+            }
+        };
+    }
     let client = checkout(target, deadline).await.map_err(unavailable)?;
     let stored = async |client: &mut Object| {
         store::insert_events(client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout)
@@ -349,6 +396,87 @@ async fn insert(target: &Target, rows: &[NewEvent<'_>]) -> Result<HashSet<(Strin
         }
         Some((_, Err(e))) => Err(classify(target, e)),
         None => Err(unavailable(timed_out(target))),
+    }
+}
+
+/// The one connection every batch is written on when the ingest reaches PostgreSQL directly.
+///
+/// A batch that starts while another is in flight (once [`JOIN_AT`] requests wait) is sent on
+/// this connection behind it, without waiting for its answer (the protocol's pipelining): the
+/// server runs it the moment the first has committed, in a transaction of its own, and answers it
+/// after its own commit. On separate connections the two ran side by side, extending the same
+/// table and adding to the same index pages under PostgreSQL's locks, and a batch sent only after
+/// the previous answer left the server idle for a round trip: one connection gave 16–36 % more
+/// requests a second at 32 connections (docs/performance.md, "One connection, batches sent
+/// behind each other").
+///
+/// Behind a transaction pooler every batch takes a pooled connection of its own: there a batch is
+/// an explicit transaction, and the pooler hands each transaction whichever server connection is
+/// free.
+#[derive(Default)]
+struct Lane {
+    /// The connection, checked out of the pool; `None` before the first batch and after one was
+    /// given up. Given up, it is closed once the last batch on it is done, never handed back to
+    /// the pool with statements still queued on it.
+    current: std::sync::Mutex<Option<Arc<LaneConnection>>>,
+    /// Held while a connection is being checked out, so that the writers wait for one instead of
+    /// each opening its own.
+    opening: Mutex<()>,
+}
+
+/// A connection of the [`Lane`]: closed and taken out of the pool when the last batch on it lets
+/// go of it.
+struct LaneConnection(Option<Object>);
+
+impl std::ops::Deref for LaneConnection {
+    type Target = deadpool_postgres::ClientWrapper;
+
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl Drop for LaneConnection {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            inbox_domain::db::discard(client);
+        }
+    }
+}
+
+impl Lane {
+    /// The lane's connection, checked out of the pool (until `deadline`) when it has none or the
+    /// server closed it.
+    async fn connection(
+        &self,
+        target: &Target,
+        deadline: Instant,
+    ) -> Result<Arc<LaneConnection>, Cow<'static, str>> {
+        if let Some(client) = self.open() {
+            return Ok(client);
+        }
+        let _opening =
+            tokio::time::timeout_at(deadline, self.opening.lock()).await.map_err(|_| timed_out(target))?;
+        if let Some(client) = self.open() {
+            return Ok(client);
+        }
+        let client = Arc::new(LaneConnection(Some(checkout(target, deadline).await?)));
+        *self.current.lock().expect("lane lock") = Some(client.clone());
+        Ok(client)
+    }
+
+    /// The current connection, unless the server closed it.
+    fn open(&self) -> Option<Arc<LaneConnection>> {
+        self.current.lock().expect("lane lock").as_ref().filter(|c| !c.is_closed()).cloned()
+    }
+
+    /// Writes no further batch on `client`: the server closed it, or a statement on it had no
+    /// answer in time. The batches already on it end with it.
+    fn give_up(&self, client: &Arc<LaneConnection>) {
+        let mut current = self.current.lock().expect("lane lock");
+        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
+            *current = None;
+        }
     }
 }
 

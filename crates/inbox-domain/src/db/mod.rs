@@ -396,8 +396,14 @@ pub fn discard(client: deadpool_postgres::Object) {
 /// server to cancel what it runs (a dropped query future cancels nothing by itself).
 fn abandon(client: deadpool_postgres::Object, database: &DatabaseConfig) {
     let token = client.cancel_token();
-    let tls = database.connector();
     discard(client);
+    cancel(token, database);
+}
+
+/// Asks the server to cancel whatever statement `token`'s session is running now, in the
+/// background: a dropped query future cancels nothing by itself.
+pub fn cancel(token: tokio_postgres::CancelToken, database: &DatabaseConfig) {
+    let tls = database.connector();
     tokio::spawn(async move {
         if let Err(e) = token.cancel_query(tls).await {
             tracing::debug!(error = %describe_db_error(&e), "cancel request failed");

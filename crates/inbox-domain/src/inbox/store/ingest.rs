@@ -167,7 +167,7 @@ impl InsertOutcome {
 /// (and `lock_timeout`) is `timeout` — BEGIN, the limits, the insert and COMMIT in one write, one
 /// round trip.
 pub async fn insert_events(
-    client: &deadpool_postgres::Object,
+    client: &deadpool_postgres::ClientWrapper,
     pooler: Pooler,
     provider: &str,
     events: &[NewEvent<'_>],
