@@ -81,8 +81,9 @@ pub struct Cli {
     #[arg(long, env = "INBOX_KEEP_RAW")]
     pub keep_raw: bool,
 
-    /// Most database connections: all but two are group-commit writers [default: 2 per core + 2,
-    /// at least 6].
+    /// Most database connections; all but two is how many group-commit batches may be in flight.
+    /// Connected directly, the batches share one connection, sent behind each other; behind
+    /// `--db-pooler transaction` each takes one [default: 2 per core + 2, at least 6].
     #[arg(long, env = "INBOX_POOL_SIZE")]
     pub pool_size: Option<usize>,
 
@@ -268,7 +269,8 @@ impl Cli {
 /// Two writers per core (at least four) plus two connections for readiness checks and the
 /// workers' wake-up. Every writer has a batch in flight: enough writers keep PostgreSQL's commit
 /// pipeline full while one batch waits on fsync, and fewer make each batch bigger — on 2 cores,
-/// 14 writers gave 4900 req/s at 32 connections and 4 gave 6200 (docs/performance.md).
+/// 14 writers gave 4900 req/s at 32 connections and 4 gave 6200 (docs/performance.md). Connected
+/// directly, the writers' batches share one connection (`crate::batcher`).
 pub fn default_pool_size() -> usize {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
     (cores * 2).max(4) + 2
