@@ -7,7 +7,7 @@
 //! while another one is in flight once [`JOIN_AT`] requests wait for it: a commit of five rows
 //! costs PostgreSQL nearly what one of thirty does, so at moderate rates one writer at a time takes
 //! everything that arrived during the previous commit, and the others join as the queue grows.
-//! Connected directly, every batch is written on one connection (see [`Lane`]): a batch started
+//! Connected directly, every batch is written on one connection (see `Lane`): a batch started
 //! while another is in flight is sent behind it, and the server runs it the moment the first has
 //! committed. Behind a transaction pooler each batch takes a pooled connection of its own.
 //! A failed batch answers 503 to each of its requests; a batch refused
@@ -406,9 +406,9 @@ async fn insert(
 /// server runs it the moment the first has committed, in a transaction of its own, and answers it
 /// after its own commit. On separate connections the two ran side by side, extending the same
 /// table and adding to the same index pages under PostgreSQL's locks, and a batch sent only after
-/// the previous answer left the server idle for a round trip: one connection gave 16–36 % more
-/// requests a second at 32 connections (docs/performance.md, "One connection, batches sent
-/// behind each other").
+/// the previous answer left the server idle for a round trip: one connection gave 22–37 % more
+/// requests a second at 32 connections in alternated runs (docs/performance.md, "One connection,
+/// batches sent behind each other").
 ///
 /// Behind a transaction pooler every batch takes a pooled connection of its own: there a batch is
 /// an explicit transaction, and the pooler hands each transaction whichever server connection is
