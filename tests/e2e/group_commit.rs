@@ -116,20 +116,29 @@ fn one_poison_request_in_a_batch_leaves_its_batch_mates_200_and_is_kept_itself()
 /// logged with its statement's start, end and row count in `batch_log`. `adjust` changes the
 /// settings further.
 async fn slow_writers_with_log(adjust: impl FnOnce(&mut Settings)) -> TestApp {
+    writers_with_log("PERFORM pg_sleep(0.3);", adjust).await
+}
+
+/// An ingest with four batch writers whose every INSERT first runs `wait` (PL/pgSQL) in a
+/// statement trigger; each committed batch is logged in `batch_log` with its statement's start,
+/// end, row count and backend. The table `gate` is there for `wait` to lock.
+async fn writers_with_log(wait: &str, adjust: impl FnOnce(&mut Settings)) -> TestApp {
     let db = TestDb::new().await;
     db.client()
         .await
-        .batch_execute(
-            "CREATE TABLE batch_log (started timestamptz, ended timestamptz, rows bigint);
-             CREATE FUNCTION slow_batch() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$;
-             CREATE TRIGGER slow_batch BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION slow_batch();
+        .batch_execute(&format!(
+            "CREATE TABLE gate ();
+             CREATE TABLE batch_log (started timestamptz, ended timestamptz, rows bigint, backend int);
+             CREATE FUNCTION wait_batch() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN {wait} RETURN NULL; END $$;
+             CREATE TRIGGER wait_batch BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION wait_batch();
              CREATE FUNCTION log_batch() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN INSERT INTO batch_log SELECT statement_timestamp(), clock_timestamp(), count(*) FROM new_rows;
+               $$ BEGIN INSERT INTO batch_log
+                        SELECT statement_timestamp(), clock_timestamp(), count(*), pg_backend_pid() FROM new_rows;
                         RETURN NULL; END $$;
              CREATE TRIGGER log_batch AFTER INSERT ON webhook_inbox REFERENCING NEW TABLE AS new_rows
                FOR EACH STATEMENT EXECUTE FUNCTION log_batch();",
-        )
+        ))
         .await
         .unwrap();
     spawn_app_with(db, |s| {
@@ -190,41 +199,14 @@ fn a_few_requests_behind_a_batch_in_flight_wait_and_share_the_next_batch() {
     assert_eq!(rt.block_on(batch_log(&app)), [(1, false), (3, false)]);
 }
 
-/// An ingest with four batch writers whose every INSERT first waits for the table `gate`, which a
-/// test holds locked as long as it likes, and logs each committed batch's rows and backend.
-async fn gated_writers_with_log() -> TestApp {
-    let db = TestDb::new().await;
-    db.client()
-        .await
-        .batch_execute(
-            "CREATE TABLE gate ();
-             CREATE TABLE batch_log (started timestamptz, ended timestamptz, rows bigint, backend int);
-             CREATE FUNCTION pass_gate() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN LOCK TABLE gate IN ACCESS SHARE MODE; RETURN NULL; END $$;
-             CREATE TRIGGER pass_gate BEFORE INSERT ON webhook_inbox FOR EACH STATEMENT EXECUTE FUNCTION pass_gate();
-             CREATE FUNCTION log_batch() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN INSERT INTO batch_log
-                        SELECT statement_timestamp(), clock_timestamp(), count(*), pg_backend_pid() FROM new_rows;
-                        RETURN NULL; END $$;
-             CREATE TRIGGER log_batch AFTER INSERT ON webhook_inbox REFERENCING NEW TABLE AS new_rows
-               FOR EACH STATEMENT EXECUTE FUNCTION log_batch();",
-        )
-        .await
-        .unwrap();
-    spawn_app_with(db, |s| {
-        s.pool_size = 6; // four writers
-        s.db_timeout = Duration::from_secs(10);
-    })
-    .await
-}
-
 /// As many requests as make a batch worth its own commit (`JOIN_AT`) form a batch while the first
 /// is in flight, and it is sent at once behind the first on the same connection: one backend runs
 /// both, one after the other, instead of two extending the table side by side.
 #[test]
 fn enough_requests_behind_a_batch_in_flight_are_sent_behind_it_on_the_same_connection() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let app = rt.block_on(gated_writers_with_log());
+    // Every batch waits for the gate, which the test holds locked until it has looked.
+    let app = rt.block_on(writers_with_log("LOCK TABLE gate IN ACCESS SHARE MODE;", |_| {}));
     let (gate, observer) = rt.block_on(async {
         let gate = app.db.client().await;
         gate.batch_execute("BEGIN; LOCK TABLE gate IN ACCESS EXCLUSIVE MODE").await.unwrap();
