@@ -376,8 +376,9 @@ async fn insert(
             }
             Err(_) => {
                 // No answer in time: the network may have dropped the connection without a word.
-                // The batches queued behind this one fail with it (503: the outcome is unknown,
-                // and Stripe's retry meets `ON CONFLICT`).
+                // This batch's outcome is unknown (503: Stripe's retry meets `ON CONFLICT`). The
+                // batches already queued behind it end on that connection; no later one is sent on
+                // it.
                 lane.give_up(&client);
                 inbox_domain::db::cancel(client.cancel_token(), &target.database);
                 Err(unavailable(timed_out(target)))

@@ -365,9 +365,11 @@ pub fn build_pool(database: &DatabaseConfig, opts: &PoolOptions) -> anyhow::Resu
 /// Runs `statement` on a pooled connection until `deadline`. Its outcome comes back with the
 /// connection, for the caller to return to the pool (drop it) or discard; a statement with no
 /// answer by then gives `None`, and its connection is taken out of the pool and its statement
-/// cancelled. The one way every caller with a deadline gives a connection up, so that none hands
-/// the pool a connection with a statement still running, or waits on one the network dropped
-/// without a word.
+/// cancelled. The way every caller holding a connection of its own gives it up at a deadline, so
+/// that none hands the pool a connection with a statement still running, or waits on one the
+/// network dropped without a word. A connection several statements share at once (the ingest's
+/// batches) cannot be handed over by one of them: its holder [`cancel`]s the statement and
+/// [`discard`]s the connection when the last of them lets go.
 pub async fn within<T>(
     mut client: deadpool_postgres::Object,
     deadline: tokio::time::Instant,
