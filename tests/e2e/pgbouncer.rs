@@ -149,7 +149,16 @@ async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fi
     let via = through(&bouncer, &db);
 
     // INBOX_DB_POOLER left at its default: the insert is prepared once per client connection,
-    // and the next transaction of that connection may run on another server connection.
+    // and the next transaction of that connection may run on another server connection. Alone
+    // behind the pooler, the ingest's batches (all on one client connection) would keep getting the
+    // server connection they last released, as PgBouncer hands out the most recently used one
+    // first. Two neighbours, as other clients of a shared pooler, take turns holding one of the two
+    // server connections in an open transaction: before each round the next takes the one the
+    // ingest used last, then the other lets its own go, so every round runs on the other one.
+    let neighbours = [
+        inbox_test_support::db::connect(&via.parse().unwrap()).await,
+        inbox_test_support::db::connect(&via.parse().unwrap()).await,
+    ];
     let mut ingest = command("inbox-ingest");
     ingest
         .env("DATABASE_URL", &via)
@@ -158,6 +167,10 @@ async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fi
     let (ingest, base) = tokio::task::spawn_blocking(move || start_ingest(ingest)).await.unwrap();
     let mut unavailable = 0;
     for round in 0..4 {
+        neighbours[round % 2].batch_execute("BEGIN; SELECT 1").await.unwrap();
+        if round > 0 {
+            neighbours[(round + 1) % 2].batch_execute("COMMIT").await.unwrap();
+        }
         let requests: Vec<_> = (0..40)
             .map(|i| {
                 let body = invoice_paid(&format!("evt_mis_{round}_{i}"), &format!("in_mis_{i}"), 100);
@@ -172,6 +185,7 @@ async fn behind_a_transaction_pooler_without_the_setting_the_ingest_names_the_fi
         .unwrap();
         unavailable += replies.iter().filter(|r| r.status == 503).count();
     }
+    drop(neighbours);
     assert!(
         unavailable > 0,
         "statements prepared on one server connection were missed on another:\n{}",
