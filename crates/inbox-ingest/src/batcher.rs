@@ -350,54 +350,43 @@ async fn insert(
         BatchError::Unavailable(cause)
     };
     let deadline = Instant::now() + target.timeout;
-    if target.pooler == Pooler::None {
-        let client = lane.connection(target, deadline).await.map_err(unavailable)?;
-        let stored = store::insert_events(
-            &client,
-            target.pooler,
-            PROVIDER_STRIPE,
-            rows,
-            target.keep_raw,
-            target.timeout,
-        );
-        return match tokio::time::timeout_at(deadline, stored).await {
-            Ok(Ok(inserted)) => {
-                target.outage.succeeded();
-                Ok(inserted.into_iter().collect())
-            }
-            Ok(Err(e)) => {
-                let error = classify(target, e);
-                // A refusal of the rows leaves the session as it was; anything else may have ended
-                // it (a terminated backend, a lost connection), and the next batch takes a new one.
-                if matches!(error, BatchError::Unavailable(_)) {
-                    lane.give_up(&client);
-                }
-                Err(error)
-            }
-            Err(_) => {
-                // No answer in time: the network may have dropped the connection without a word.
-                // This batch's outcome is unknown (503: Stripe's retry meets `ON CONFLICT`). The
-                // batches already queued behind it end on that connection; no later one is sent on
-                // it.
-                lane.give_up(&client);
-                inbox_domain::db::cancel(client.cancel_token(), &target.database);
-                Err(unavailable(timed_out(target)))
-            }
-        };
-    }
-    let client = checkout(target, deadline).await.map_err(unavailable)?;
-    let stored = async |client: &mut Object| {
+    let stored = async |client: &deadpool_postgres::ClientWrapper| {
         store::insert_events(client, target.pooler, PROVIDER_STRIPE, rows, target.keep_raw, target.timeout)
             .await
     };
-    match inbox_domain::db::within(client, deadline, &target.database, stored).await {
-        Some((_, Ok(inserted))) => {
+    // The statement's outcome, `None` when it had no answer by the deadline, and the lane's
+    // connection it ran on (when connected directly).
+    let (outcome, on_lane) = if target.pooler == Pooler::None {
+        let client = lane.connection(target, deadline).await.map_err(unavailable)?;
+        let outcome = tokio::time::timeout_at(deadline, stored(&client)).await.ok();
+        if outcome.is_none() {
+            // The network may have dropped the connection without a word; the batches already
+            // queued behind this one end on it, finished or failed.
+            inbox_domain::db::cancel(client.cancel_token(), &target.database);
+        }
+        (outcome, Some(client))
+    } else {
+        let client = checkout(target, deadline).await.map_err(unavailable)?;
+        let outcome =
+            inbox_domain::db::within(client, deadline, &target.database, async |c| stored(c).await).await;
+        (outcome.map(|(_, outcome)| outcome), None)
+    };
+    let result = match outcome {
+        Some(Ok(inserted)) => {
             target.outage.succeeded();
             Ok(inserted.into_iter().collect())
         }
-        Some((_, Err(e))) => Err(classify(target, e)),
+        Some(Err(e)) => Err(classify(target, e)),
+        // The outcome is unknown: 503, and Stripe's retry meets `ON CONFLICT`.
         None => Err(unavailable(timed_out(target))),
+    };
+    // A refusal of the rows leaves the lane's session as it was; anything else may have ended it
+    // (a terminated backend, a lost connection, a statement with no answer in time), and no later
+    // batch is sent on it: the next takes a new one.
+    if let (Some(client), Err(BatchError::Unavailable(_))) = (&on_lane, &result) {
+        lane.give_up(client);
     }
+    result
 }
 
 /// The one connection every batch is written on when the ingest reaches PostgreSQL directly.
