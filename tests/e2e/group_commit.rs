@@ -160,29 +160,37 @@ fn first_batch_in_flight(
     });
     rt.block_on(async {
         let client = app.db.client().await;
-        let writing = "SELECT count(*) FROM pg_stat_activity
-                        WHERE datname = current_database() AND state = 'active'
-                          AND query LIKE 'INSERT INTO webhook_inbox%'";
         let started =
-            eventually(Duration::from_secs(2), || async { scalar(&client, writing).await > 0 }).await;
+            eventually(Duration::from_secs(5), || async { scalar(&client, INSERTING).await > 0 }).await;
         assert!(started, "the first request's batch never started");
     });
     first
 }
 
+/// How many of the ingest's inserts are running now.
+const INSERTING: &str = "SELECT count(*) FROM pg_stat_activity
+                          WHERE datname = current_database() AND state = 'active'
+                            AND query LIKE 'INSERT INTO webhook_inbox%'";
+
 /// (rows, overlaps the previous batch) of each committed batch, in order of start.
 async fn batch_log(app: &TestApp) -> Vec<(i64, bool)> {
+    batch_log_with_backends(app).await.into_iter().map(|(rows, overlaps, _)| (rows, overlaps)).collect()
+}
+
+/// (rows, overlaps the previous batch, backend's pid) of each committed batch, in order of start.
+async fn batch_log_with_backends(app: &TestApp) -> Vec<(i64, bool, i32)> {
     app.db
         .client()
         .await
         .query(
-            "SELECT rows, started < lag(ended) OVER (ORDER BY started) IS TRUE FROM batch_log ORDER BY started",
+            "SELECT rows, started < lag(ended) OVER (ORDER BY started) IS TRUE, backend
+               FROM batch_log ORDER BY started",
             &[],
         )
         .await
         .unwrap()
         .iter()
-        .map(|r| (r.get(0), r.get(1)))
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect()
 }
 
@@ -213,18 +221,7 @@ fn enough_requests_behind_a_batch_in_flight_are_sent_behind_it_on_the_same_conne
         // Outside the gate's transaction, which would keep its first view of pg_stat_activity.
         (gate, app.db.client().await)
     });
-    let inserting = "SELECT count(*) FROM pg_stat_activity
-                      WHERE datname = current_database() AND state = 'active'
-                        AND query LIKE 'INSERT INTO webhook_inbox%'";
-    let address = app.address.clone();
-    let first = std::thread::spawn(move || {
-        concurrent_posts(&address, vec![signed(invoice_paid("evt_first", "in_0", 1))])
-    });
-    rt.block_on(async {
-        let started =
-            eventually(Duration::from_secs(5), || async { scalar(&observer, inserting).await > 0 }).await;
-        assert!(started, "the first request's batch never reached the gate");
-    });
+    let first = first_batch_in_flight(&rt, &app);
     let n = inbox_ingest::batcher::JOIN_AT + 2;
     let wave: Vec<_> = (0..n).map(|i| signed(invoice_paid(&format!("evt_{i}"), "in_1", 1))).collect();
     let address = app.address.clone();
@@ -232,26 +229,12 @@ fn enough_requests_behind_a_batch_in_flight_are_sent_behind_it_on_the_same_conne
     rt.block_on(async {
         let sent = eventually(Duration::from_secs(5), || async { batches(&app).await.0 >= 2.0 }).await;
         assert!(sent, "no second batch while the first waits: {:?}", batches(&app).await);
-        assert_eq!(scalar(&observer, inserting).await, 1, "the second batch went to a connection of its own");
+        assert_eq!(scalar(&observer, INSERTING).await, 1, "the second batch went to a connection of its own");
         gate.batch_execute("COMMIT").await.unwrap();
     });
     let replies: Vec<_> = first.join().unwrap().into_iter().chain(wave.join().unwrap()).collect();
     assert!(replies.iter().all(|r| r.status == 200 && r.body["status"] == "accepted"), "{replies:?}");
-    let log: Vec<(i64, bool, i32)> = rt.block_on(async {
-        app.db
-            .client()
-            .await
-            .query(
-                "SELECT rows, started < lag(ended) OVER (ORDER BY started) IS TRUE, backend
-                   FROM batch_log ORDER BY started",
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| (r.get(0), r.get(1), r.get(2)))
-            .collect()
-    });
+    let log = rt.block_on(batch_log_with_backends(&app));
     assert_eq!(log.iter().map(|b| b.0).sum::<i64>(), n as i64 + 1, "{log:?}");
     assert_eq!(log[0].0, 1, "{log:?}");
     assert!(log[1].0 >= inbox_ingest::batcher::JOIN_AT as i64, "{log:?}");
